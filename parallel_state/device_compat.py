@@ -1,0 +1,148 @@
+"""Run megatron-core's CUDA-only code paths on CPU (gloo), for tests and CPU runs.
+
+megatron-core hard-codes CUDA in places that have nothing to do with the math:
+
+* factory calls with `device="cuda"` or `device=torch.cuda.current_device()` (schedules' token counts, p2p
+  shape buffers, attention masks, rotary embeddings, router buffers, all-gather outputs);
+* `Tensor.cuda()`, `pin_memory=True`, `Tensor.record_stream(...)`;
+* `torch.cuda.synchronize()` after batched p2p, `torch.cuda.Stream()` / `torch.cuda.stream(...)` in the MoE
+  dispatcher and shared experts;
+* the model-parallel RNG tracker, which reads and writes CUDA generator states.
+
+`cpu_compat()` redirects exactly those, for the duration of a `with` block, and only when no GPU is
+present (on a CUDA machine it does nothing). Device placement is rewritten by one `TorchFunctionMode`;
+the `torch.cuda` entry points and megatron's two RNG-state helpers are swapped and restored on exit. The
+RNG tracker then forks the CPU generator, which is what CPU dropout and init draw from.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def needs_cpu_compat() -> bool:
+    """True when megatron's CUDA assumptions must be redirected (no usable GPU)."""
+    return not torch.cuda.is_available()
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaPlacementToCpu(TorchFunctionMode):
+    """Rewrites CUDA placement in torch calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for `torch.cuda.Stream`: CPU work is ordered already."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_NullEvent":
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _patches() -> List[Tuple[Any, str, Any]]:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    return [
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "Stream", _NullStream),
+        (torch.cuda, "Event", _NullEvent),
+        (torch.cuda, "current_stream", lambda *a, **k: _NullStream()),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "get_rng_state", _cpu_get_rng_state),
+        (torch.cuda, "set_rng_state", _cpu_set_rng_state),
+        (torch.cuda, "manual_seed", _cpu_manual_seed),
+        (torch.cuda.random, "get_rng_state", _cpu_get_rng_state),
+        (mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state),
+        (mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state),
+    ]
+
+
+@contextlib.contextmanager
+def cpu_compat(enabled: Optional[bool] = None) -> Iterator[bool]:
+    """Let megatron-core's CUDA-only code run on CPU inside this block.
+
+    Args:
+        enabled: force on/off; by default on exactly when there is no GPU.
+
+    Yields:
+        Whether the redirection is active.
+    """
+    if enabled is None:
+        enabled = needs_cpu_compat()
+    if not enabled:
+        yield False
+        return
+    patches = _patches()
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        with _CudaPlacementToCpu():
+            yield True
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

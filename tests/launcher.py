@@ -1,0 +1,73 @@
+"""Launch N-rank torchrun jobs from pytest and fail (not hang) when any rank fails or stalls.
+
+Each worker script runs a list of named checks on every rank (see `workers/rank_checks.py`) and writes one
+report file per rank listing the checks that passed. `launch` asserts that torchrun exited cleanly and that
+every rank reported every expected check, so a check that silently did not run fails the test.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    script: str,
+    nproc: int,
+    args: Iterable[str] = (),
+    timeout: float = 300.0,
+    expect_checks: Optional[Iterable[str]] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> str:
+    """Run `workers/<script>` under torchrun with `nproc` gloo ranks; return its combined output.
+
+    Raises AssertionError (with the output) on a non-zero exit, a timeout, or a missing check report.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", "--nnodes=1", f"--master_port={_free_port()}",
+        str(WORKERS / script), *args,
+    ]
+    full_env = dict(os.environ)
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    full_env.setdefault("FP8P_TEST_SEED", str(int.from_bytes(os.urandom(4), "little")))
+    full_env.update(env or {})
+    report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")
+    full_env["FP8P_REPORT_DIR"] = report_dir
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} with {nproc} ranks timed out after {timeout}s:\n{out[-20000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} with {nproc} ranks exited {proc.returncode}:\n{out[-20000:]}")
+    if expect_checks is not None:
+        missing = _missing_reports(Path(report_dir), nproc, expect_checks)
+        if missing:
+            raise AssertionError(f"{script}: checks not reported as passed: {missing}\n{out[-20000:]}")
+    return out
+
+
+def _missing_reports(report_dir: Path, nproc: int, checks: Iterable[str]) -> List[str]:
+    passed = {}
+    for r in range(nproc):
+        f = report_dir / f"rank{r}.passed"
+        passed[r] = set(f.read_text().split()) if f.exists() else set()
+    return [f"rank {r}: {c}" for c in checks for r in range(nproc) if c not in passed[r]]

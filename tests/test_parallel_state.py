@@ -1,0 +1,38 @@
+"""parallel_state on megatron-core: multi-rank gloo launches, every rank asserts."""
+import pytest
+
+from parallel_state import ParallelLayoutError, ParallelSizes
+from launcher import launch
+
+CHECKS = ["bad_sizes", "sizes", "getters", "amax_domains", "max_all_reduce", "schedule_matches_single_process"]
+
+
+@pytest.mark.parametrize(
+    "nproc,tp,pp,vpp,ep",
+    [(8, 2, 2, 0, 2), (4, 2, 2, 2, 1)],
+    ids=["tp2-pp2-ep2", "tp2-pp2-vpp2"],
+)
+def test_parallel_state_multirank(nproc, tp, pp, vpp, ep):
+    launch("parallel_state_checks.py", nproc, [str(tp), str(pp), str(vpp), str(ep)], expect_checks=CHECKS)
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(world=6, tp=4), ["world size 6", "tp=4"]),
+        (dict(world=8, tp=2, pp=1, vpp=2), ["vpp=2", "pp=1"]),
+        (dict(world=8, tp=2, ep=8), ["etp*ep*pp", "ep=8"]),
+        (dict(world=8, tp=2, etp=3), ["etp=3"]),
+        (dict(world=8, cp=-1), ["cp=-1"]),
+    ],
+)
+def test_bad_sizes_name_the_values(kwargs, words):
+    with pytest.raises(ParallelLayoutError) as info:
+        ParallelSizes(**kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_derived_sizes():
+    s = ParallelSizes(world=16, tp=2, pp=2, cp=2, ep=4, etp=1)
+    assert (s.dp, s.expert_dp, s.expert_tp) == (2, 2, 1)

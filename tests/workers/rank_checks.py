@@ -1,0 +1,51 @@
+"""Rank-side half of the test launcher: run many named checks in one launch, fail together."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+Check = Tuple[str, Callable[[], None]]
+
+
+def test_seed() -> int:
+    """A fresh seed per launch (chosen by the launcher), identical on every rank."""
+    return int(os.environ.get("FP8P_TEST_SEED", "0"))
+
+
+def run_checks(checks: Sequence[Check], group_getter: Callable[[], dist.ProcessGroup] = lambda: None) -> None:
+    """Run each check on every rank; after each, agree on failure with an all-reduce(MAX) so no rank hangs.
+
+    Appends each passed check's name to `$FP8P_REPORT_DIR/rank<r>.passed` (read by the launcher), prints
+    failures with their traceback, and exits 1 on every rank if any rank failed.
+    """
+    rank = dist.get_rank()
+    failed_any = False
+    for name, fn in checks:
+        local_failed = 0
+        try:
+            fn()
+        except Exception:  # report, then fail together
+            local_failed = 1
+            print(f"CHECK-FAILED {rank} {name}\n{traceback.format_exc()}", flush=True)
+        flag = torch.tensor([local_failed], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            failed_any = True
+            if not local_failed:
+                print(f"CHECK-FAILED-ELSEWHERE {rank} {name}", flush=True)
+        else:
+            print(f"CHECK-PASSED {rank} {name}", flush=True)
+            report_dir = os.environ.get("FP8P_REPORT_DIR")
+            if report_dir:
+                with open(os.path.join(report_dir, f"rank{rank}.passed"), "a") as f:
+                    f.write(name + "\n")
+    dist.barrier()
+    if failed_any:
+        sys.exit(1)

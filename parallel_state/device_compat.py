@@ -7,7 +7,12 @@ megatron-core hard-codes CUDA in places that have nothing to do with the math:
 * `Tensor.cuda()`, `pin_memory=True`, `Tensor.record_stream(...)`;
 * `torch.cuda.synchronize()` after batched p2p, `torch.cuda.Stream()` / `torch.cuda.stream(...)` in the MoE
   dispatcher and shared experts;
-* the model-parallel RNG tracker, which reads and writes CUDA generator states.
+* the model-parallel RNG tracker, which reads and writes CUDA generator states;
+* the MoE all-to-all dispatcher moves its split sizes "to the host" as numpy arrays only when they are
+  on a GPU; on CPU they would stay tensors, which `all_to_all_single` refuses: they become numpy here too;
+* (not CUDA, but on the same path) megatron-core 0.16's MoE router references `te_general_gemm`, a name
+  that is left undefined when TransformerEngine is absent; it is defined as None here, which selects
+  megatron's own torch fallback.
 
 `cpu_compat()` redirects exactly those, for the duration of a `with` block, and only when no GPU is
 present (on a CUDA machine it does nothing). Device placement is rewritten by one `TorchFunctionMode`;
@@ -17,6 +22,7 @@ RNG tracker then forks the CPU generator, which is what CPU dropout and init dra
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
@@ -102,10 +108,28 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_MISSING = object()
+
+
+def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's `maybe_move_tensor_to_cpu` for tensors that are on the CPU already."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
+class _DropForkedCpuRngWarning(logging.Filter):
+    """The tracker warns when the CPU generator changes inside `fork()`; here it is the forked generator."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed" not in record.getMessage()
+
+
 def _patches() -> List[Tuple[Any, str, Any]]:
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    return [
+    patches = [
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "synchronize", lambda *a, **k: None),
         (torch.cuda, "Stream", _NullStream),
@@ -118,7 +142,11 @@ def _patches() -> List[Tuple[Any, str, Any]]:
         (torch.cuda.random, "get_rng_state", _cpu_get_rng_state),
         (mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state),
         (mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
     ]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patches.append((moe_utils, "te_general_gemm", None))
+    return patches
 
 
 @contextlib.contextmanager
@@ -137,12 +165,19 @@ def cpu_compat(enabled: Optional[bool] = None) -> Iterator[bool]:
         yield False
         return
     patches = _patches()
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)
+    rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    rng_filter = _DropForkedCpuRngWarning()
+    rng_logger.addFilter(rng_filter)
     try:
         with _CudaPlacementToCpu():
             yield True
     finally:
+        rng_logger.removeFilter(rng_filter)
         for owner, name, original in saved:
-            setattr(owner, name, original)
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

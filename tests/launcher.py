@@ -31,8 +31,11 @@ def launch(
     timeout: float = 300.0,
     expect_checks: Optional[Iterable[str]] = None,
     env: Optional[Dict[str, str]] = None,
+    gpus: bool = False,
 ) -> str:
-    """Run `workers/<script>` under torchrun with `nproc` gloo ranks; return its combined output.
+    """Run `workers/<script>` under torchrun with `nproc` ranks; return its combined output.
+
+    CPU/gloo by default (GPUs hidden); `gpus=True` leaves the GPUs visible so workers pick NCCL.
 
     Raises AssertionError (with the output) on a non-zero exit, a timeout, or a missing check report.
     """
@@ -42,7 +45,11 @@ def launch(
         str(WORKERS / script), *args,
     ]
     full_env = dict(os.environ)
-    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if not gpus:
+        full_env["CUDA_VISIBLE_DEVICES"] = ""
+    else:  # never use NVLink multicast on shared machines
+        full_env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     full_env.setdefault("FP8P_TEST_SEED", str(int.from_bytes(os.urandom(4), "little")))
     full_env.update(env or {})
     report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")

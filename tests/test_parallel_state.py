@@ -36,3 +36,9 @@ def test_bad_sizes_name_the_values(kwargs, words):
 def test_derived_sizes():
     s = ParallelSizes(world=16, tp=2, pp=2, cp=2, ep=4, etp=1)
     assert (s.dp, s.expert_dp, s.expert_tp) == (2, 2, 1)
+
+
+def test_megatron_gpt_dense_and_moe_train_on_cpu():
+    launch(
+        "gpt_cpu_checks.py", 4, expect_checks=["gpt_dense_trains_on_cpu", "gpt_moe_ep2_trains_on_cpu"], timeout=400
+    )

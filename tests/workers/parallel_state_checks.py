@@ -41,6 +41,7 @@ bad_results = [_expect_layout_error(kw, m) for kw, m in BAD]
 bad_left_dist_uninitialized = not dist.is_initialized()
 
 sizes = ps.initialize(tp=TP, pp=PP, vpp=VPP, ep=EP)
+DEVICE = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 from megatron.core import parallel_state as mpu  # noqa: E402
 
 RANK = dist.get_rank()
@@ -134,8 +135,9 @@ def check_max_all_reduce():
         "expert": (ps.expert_amax_group(), EXPECTED_EXPERT_AMAX),
     }
     for name, (group, members) in domains.items():
-        t = _value(RANK)
+        t = _value(RANK).to(DEVICE)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t = t.cpu()
         expected = torch.stack([_value(r) for r in members]).amax(0)
         assert torch.equal(t, expected), (name, t, expected)
         others = [r for r in range(WORLD) if r not in members]
@@ -152,10 +154,10 @@ def check_schedule_matches_single_process():
     config = toy.make_config(PP, VPP, TP)
     n_vchunks = VPP or 1
     n_micro = 4 if VPP is None else 2 * PP
-    batches = toy.make_batches(seed + 1, n_micro)
+    batches = [(x.to(DEVICE), y.to(DEVICE)) for x, y in toy.make_batches(seed + 1, n_micro)]
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     chunk_ids = [v * PP + pp_rank for v in range(n_vchunks)]  # megatron's interleaved layer assignment
-    model = [toy.ToyChunk(config, seed, c) for c in chunk_ids]
+    model = [toy.ToyChunk(config, seed, c).to(DEVICE) for c in chunk_ids]
     with ps.cpu_compat():
         losses = get_forward_backward_func()(
             forward_step_func=toy.forward_step,
@@ -165,7 +167,7 @@ def check_schedule_matches_single_process():
             seq_length=toy.SEQ,
             micro_batch_size=toy.MICRO_BATCH,
         )
-    ref_grads, ref_losses = toy.reference_grads(config, seed, batches, PP * n_vchunks)
+    ref_grads, ref_losses = toy.reference_grads(config, seed, batches, PP * n_vchunks, DEVICE)
     for local, c in zip(model, chunk_ids):
         for p, g in zip(local.parameters(), ref_grads[c]):
             assert p.grad is not None, f"chunk {c} got no grad"

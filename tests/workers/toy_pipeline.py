@@ -71,10 +71,14 @@ def forward_step(data_iterator, model):
 
 
 def reference_grads(
-    config: TransformerConfig, seed: int, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], n_chunks: int
+    config: TransformerConfig,
+    seed: int,
+    batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+    n_chunks: int,
+    device: torch.device = torch.device("cpu"),
 ) -> Tuple[List[List[torch.Tensor]], List[float]]:
     """Single-process run over all chunks in order; returns per-chunk grads and per-microbatch losses."""
-    chunks = [ToyChunk(config, seed, i) for i in range(n_chunks)]
+    chunks = [ToyChunk(config, seed, i).to(device) for i in range(n_chunks)]
     losses = []
     for x, target in batches:
         h = x

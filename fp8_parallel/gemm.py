@@ -1,0 +1,119 @@
+"""FP8 GEMM on `torch._scaled_mm`, with the GPU's layout rules enforced on every device.
+
+Convention ("TN", as the FP8 tensor cores want it): `fp8_gemm(a, b)` computes `a @ b.T` for `a: [M, K]` and
+`b: [N, K]`, both row-major with K contiguous. A linear layer's three GEMMs then read:
+
+    fprop  y  = x  @ W.T   -> fp8_gemm(x, W)
+    dgrad  dx = dy @ W     -> fp8_gemm(dy, W.transpose_2d())
+    wgrad  dW = dy.T @ x   -> fp8_gemm(dy.transpose_2d(), x.transpose_2d())
+
+cuBLAS refuses FP8 GEMMs whose K or N is not a multiple of 16 and E5M2 x E5M2; the CPU kernel checks
+neither, so this wrapper does, on every device. Odd K or N is zero-padded (exact: padding adds zero terms
+or columns that are sliced off), or refused with `pad=False`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .tensor import Float8Tensor
+
+ALIGN = 16
+
+
+class FP8GemmShapeError(ValueError):
+    """An FP8 GEMM the GPU would refuse (layout, alignment or dtype)."""
+
+
+def _check(a: Float8Tensor, b: Float8Tensor) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Float8Tensor):
+            raise TypeError(f"fp8_gemm: {name} must be a Float8Tensor, got {type(t).__name__}")
+        if t._data.dim() != 2:
+            raise FP8GemmShapeError(f"fp8_gemm: {name} must be 2-D, got shape {tuple(t._data.shape)}")
+        if t._data.stride(1) != 1:
+            raise FP8GemmShapeError(
+                f"fp8_gemm: {name} must be row-major with K contiguous, got strides {t._data.stride()}"
+            )
+    if a._data.shape[1] != b._data.shape[1]:
+        raise FP8GemmShapeError(f"fp8_gemm: K mismatch, a is {tuple(a._data.shape)}, b is {tuple(b._data.shape)}")
+    if a._data.dtype == torch.float8_e5m2 and b._data.dtype == torch.float8_e5m2:
+        raise FP8GemmShapeError("fp8_gemm: E5M2 x E5M2 is not supported by the FP8 tensor cores")
+
+
+def _pad_cols(data: torch.Tensor, cols: int) -> torch.Tensor:
+    if data.shape[1] == cols:
+        return data
+    out = torch.zeros((data.shape[0], cols), dtype=torch.uint8, device=data.device)
+    out[:, : data.shape[1]] = data.view(torch.uint8)
+    return out.view(data.dtype)
+
+
+def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
+    if data.shape[0] == rows:
+        return data
+    out = torch.zeros((rows, data.shape[1]), dtype=torch.uint8, device=data.device)
+    out[: data.shape[0]] = data.view(torch.uint8)
+    return out.view(data.dtype)
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def fp8_gemm(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
+    pad: bool = True,
+) -> torch.Tensor:
+    """`a @ b.T` in FP8 with float32 accumulation (or fast accumulation), result in `out_dtype`.
+
+    Args:
+        a: `[M, K]` Float8Tensor, K contiguous.
+        b: `[N, K]` Float8Tensor, K contiguous.
+        out_dtype: result dtype (bfloat16, float16 or float32).
+        bias: optional `[N]` bias added to the result (in `out_dtype`).
+        use_fast_accum: Hopper fast accumulation (fine for the forward GEMM; keep False for gradients).
+        pad: zero-pad K and N to multiples of 16 when needed; False raises `FP8GemmShapeError` instead.
+
+    Raises:
+        FP8GemmShapeError: a layout, alignment or dtype pair the GPU refuses.
+    """
+    _check(a, b)
+    (m, k), n = a._data.shape, b._data.shape[0]
+    a_data, b_data = a._data, b._data
+    if k % ALIGN or n % ALIGN:
+        if not pad:
+            raise FP8GemmShapeError(
+                f"fp8_gemm: K={k} and N={n} must be multiples of {ALIGN} (a {tuple(a._data.shape)}, "
+                f"b {tuple(b._data.shape)})"
+            )
+        kp, np_ = _round_up(k), _round_up(n)
+        a_data, b_data = _pad_cols(a_data, kp), _pad_rows(_pad_cols(b_data, kp), np_)
+    result_dtype = out_dtype
+    bias_arg = None
+    if bias is not None:
+        if bias.shape != (n,):
+            raise FP8GemmShapeError(f"fp8_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+        if out_dtype == torch.float32 or b_data.shape[0] != n:
+            result_dtype = torch.float32  # add the bias after the GEMM
+        else:
+            bias_arg = bias.to(out_dtype)
+    out = torch._scaled_mm(
+        a_data,
+        b_data.t(),  # [K, N] column-major view: what cuBLAS wants for the second operand
+        scale_a=a._scale_inv.reshape(()).float(),
+        scale_b=b._scale_inv.reshape(()).float(),
+        bias=bias_arg,
+        out_dtype=result_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    if out.shape[1] != n:
+        out = out[:, :n]
+    if bias is not None and bias_arg is None:
+        out = out + bias.float()
+    return out.to(out_dtype) if out.dtype != out_dtype else out

@@ -1,0 +1,114 @@
+"""One-pass FP8 quantization: saturating cast, amax into a slot, optional transpose. No host sync.
+
+On CUDA (with Triton) a fused kernel reads the input once and writes the data, the transpose and the amax;
+elsewhere plain torch ops compute the same values. The amax of a tensor holding NaN is recorded as +inf
+(non-finite), on both paths.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .tensor import Float8Tensor, cast_to_fp8
+
+_INF = float("inf")
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    from . import triton_kernels
+
+    return triton_kernels.AVAILABLE
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_out: Optional[torch.Tensor] = None,
+    with_transpose: bool = False,
+    out: Optional[Float8Tensor] = None,
+    noop_flag: Optional[torch.Tensor] = None,
+    force_torch: bool = False,
+) -> Float8Tensor:
+    """Quantize `x` to FP8 with `scale` in one pass.
+
+    Args:
+        x: high-precision input (any shape; the transpose is of `x` viewed as `[-1, x.shape[-1]]`).
+        scale: float32 tensor with one element (e.g. a view into a module's scale buffer).
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2. Values beyond the format's range saturate.
+        amax_out: float32 one-element slot; receives `max(amax_out, amax(|x|))` (a slot may be written by
+            several casts, e.g. a module called twice).
+        with_transpose: also fill the persistent transpose of the result.
+        out: write into this Float8Tensor in place (same data, scale_inv and transpose addresses).
+        noop_flag: device tensor; where non-zero, nothing is written (a captured cast that replays as a no-op).
+        force_torch: use the torch path even on CUDA (for tests).
+
+    Returns:
+        The Float8Tensor (`out` if given) with `scale_inv = 1 / scale`.
+    """
+    if scale.numel() != 1:
+        raise ValueError(f"quantize: scale must have one element, got shape {tuple(scale.shape)}")
+    if out is None:
+        data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+        out = Float8Tensor(data, torch.empty((), dtype=torch.float32, device=x.device), x.dtype)
+    elif out._data.shape != x.shape or out._data.dtype != fp8_dtype:
+        raise ValueError(
+            f"quantize: out has shape {tuple(out._data.shape)} / {out._data.dtype}, "
+            f"input needs {tuple(x.shape)} / {fp8_dtype}"
+        )
+    transpose = out.transpose_2d(update_cache=False) if with_transpose and out.has_current_transpose() else None
+    if with_transpose and transpose is None:
+        transpose = _allocate_transpose(out)
+    if not force_torch and _use_triton(x) and x.numel() > 0:
+        from .triton_kernels import quantize_2d
+
+        quantize_2d(x, scale, out, transpose, amax_out, noop_flag)
+    else:
+        _quantize_torch(x, scale, out, transpose, amax_out, noop_flag)
+    out._transpose_cache.writes += 1
+    if transpose is not None:
+        out._transpose_cache.version = out._data_version()
+    return out
+
+
+def _allocate_transpose(out: Float8Tensor) -> Float8Tensor:
+    tc = out._transpose_cache
+    rows = out._data.numel() // out._data.shape[-1]
+    shape = (out._data.shape[-1], rows)
+    if tc.buffer is None or tc.buffer.shape != shape:
+        tc.buffer = torch.empty(shape, dtype=out._data.dtype, device=out._data.device)
+    return Float8Tensor(tc.buffer, out._scale_inv, out.dtype)
+
+
+def _keep_where(flag: Optional[torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    if flag is None:
+        return new
+    if old.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.where(flag.reshape(()).bool(), old.view(torch.uint8), new.view(torch.uint8)).view(old.dtype)
+    return torch.where(flag.reshape(()).bool(), old, new)
+
+
+def _quantize_torch(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    out: Float8Tensor,
+    transpose: Optional[Float8Tensor],
+    amax_out: Optional[torch.Tensor],
+    noop_flag: Optional[torch.Tensor],
+) -> None:
+    x = x.detach()
+    scale = scale.reshape(()).float()
+    data = _keep_where(noop_flag, out._data, cast_to_fp8(x, scale, out._data.dtype))
+    out._data.copy_(data)
+    out._scale_inv.copy_(_keep_where(noop_flag, out._scale_inv, scale.reciprocal()))
+    if transpose is not None:
+        flat = data.reshape(-1, data.shape[-1]) if data.dim() != 2 else data
+        transpose._data.copy_(flat.t())
+    if amax_out is not None:
+        amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        amax = torch.nan_to_num(amax, nan=_INF, posinf=_INF)
+        new = torch.maximum(amax_out.reshape(()), amax)
+        amax_out.copy_(_keep_where(noop_flag, amax_out.reshape(()), new).reshape(amax_out.shape))

@@ -1,0 +1,69 @@
+"""Scale arithmetic and the batched amax-history/scale update (no host synchronization anywhere)."""
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+
+from .recipe import AmaxComputeAlgo
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def scale_from_amax(
+    amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: Union[float, torch.Tensor], margin: int = 0
+) -> torch.Tensor:
+    """TransformerEngine's rule, elementwise: `fp8_max / amax / 2**margin`.
+
+    amax <= 0, inf or NaN keeps `prev_scale`; a scale that overflows to inf becomes float32 max.
+    """
+    amax = amax.float()
+    scale = (fp8_max / amax) / (2.0**margin)
+    usable = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(usable, scale, prev_scale)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+
+
+def current_scale(amax: torch.Tensor, fp8_max: float, eps: float) -> torch.Tensor:
+    """Current (tensorwise) scaling: `fp8_max / max(amax, eps)`, computed in float64, returned as float32
+    (float64 keeps eager and compiled numerics equal, as torchao.float8 does)."""
+    return (fp8_max / torch.clamp(amax.to(torch.float64), min=eps)).float()
+
+
+def amax_from_history(history: torch.Tensor, algo: AmaxComputeAlgo) -> torch.Tensor:
+    """Reduce a `[n, history_len]` history (newest in column 0) to `[n]` amaxes."""
+    if algo == "max":
+        return history.amax(dim=1)
+    if algo == "most_recent":
+        return history[:, 0].clone()
+    return algo(history)
+
+
+def update_history_and_scale(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    new_amax: torch.Tensor,
+    fp8_max: torch.Tensor,
+    margin: int,
+    algo: AmaxComputeAlgo,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One delayed-scaling step for `n` tensors at once, as a fixed handful of batched ops.
+
+    Args:
+        history: `[n, L]`, newest amax in column 0.
+        scale: `[n]` current scales.
+        new_amax: `[n]` (already reduced) amaxes of this iteration.
+        fp8_max: `[n]` format maximum of each tensor.
+
+    Returns:
+        (new_history, new_scale, nonfinite): a tensor whose amax is 0 (it did not run anywhere in the group)
+        or not finite keeps its history unrolled and its scale unchanged; `nonfinite` flags the latter.
+    """
+    nonfinite = ~torch.isfinite(new_amax)
+    rolls = (new_amax > 0) & ~nonfinite
+    # the newest amax enters column 0, the oldest drops off the end
+    rolled = torch.cat([new_amax.float().unsqueeze(1), history[:, :-1]], dim=1)
+    new_history = torch.where(rolls.unsqueeze(1), rolled, history)
+    amax = amax_from_history(new_history, algo)
+    new_scale = torch.where(rolls, scale_from_amax(amax, scale, fp8_max, margin), scale)
+    return new_history, new_scale, nonfinite

@@ -1,0 +1,76 @@
+"""Triton kernels (CUDA only): fused quantize (+amax, +transpose)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = torch.cuda.is_available()
+except ImportError:  # CPU-only installs
+    AVAILABLE = False
+
+if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quantize_kernel(
+        x_ptr, data_ptr, t_ptr, scale_ptr, scale_inv_ptr, amax_ptr, noop_ptr,
+        M, N, stride_xm, fp8_max,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WITH_T: tl.constexpr, WITH_AMAX: tl.constexpr, WITH_NOOP: tl.constexpr,
+    ):
+        if WITH_NOOP:
+            if tl.load(noop_ptr) != 0:
+                return
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr)
+        y = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        y8 = y.to(data_ptr.dtype.element_ty)
+        tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
+        if WITH_T:
+            tl.store(t_ptr + offs_n[None, :] * M + offs_m[:, None], y8, mask=mask)
+        if WITH_AMAX:
+            ax = tl.abs(x)
+            ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite
+            tl.atomic_max(amax_ptr, tl.max(tl.max(ax, axis=1), axis=0))
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(scale_inv_ptr, 1.0 / scale)
+
+
+def quantize_2d(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    out,
+    transpose,
+    amax_out: Optional[torch.Tensor],
+    noop_flag: Optional[torch.Tensor],
+) -> None:
+    """Fused cast of `x` (viewed as `[M, N]`) into `out` (and `transpose`), amax into `amax_out`."""
+    from .recipe import fp8_max
+
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape
+    block_m, block_n = (64, 128) if transpose is not None else (32, 256)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    dummy = out._scale_inv
+    _quantize_kernel[grid](
+        x2, out._data, transpose._data if transpose is not None else out._data,
+        scale, out._scale_inv, amax_out if amax_out is not None else dummy,
+        noop_flag if noop_flag is not None else dummy,
+        M, N, x2.stride(0), fp8_max(out._data.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        WITH_T=transpose is not None, WITH_AMAX=amax_out is not None, WITH_NOOP=noop_flag is not None,
+        num_warps=8,
+    )

@@ -1,5 +1,19 @@
 """fp8_parallel: FP8 training for Megatron-style parallelism."""
+from .amax_table import AmaxLayoutMismatch
+from .scopes import autocast, fp8_autocast, nonfinite_amax_count
+from .modules import Linear
 from .recipe import CurrentScaling, DelayedScaling, Format, fp8_max
 from .tensor import Float8Tensor
 
-__all__ = ["CurrentScaling", "DelayedScaling", "Float8Tensor", "Format", "fp8_max"]
+__all__ = [
+    "AmaxLayoutMismatch",
+    "CurrentScaling",
+    "DelayedScaling",
+    "Float8Tensor",
+    "Format",
+    "Linear",
+    "autocast",
+    "fp8_autocast",
+    "fp8_max",
+    "nonfinite_amax_count",
+]

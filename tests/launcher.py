@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 WORKERS = Path(__file__).resolve().parent / "workers"
+REPO = WORKERS.parent.parent
 
 
 def _free_port() -> int:
@@ -46,6 +47,7 @@ def launch(
     ]
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH")) if p)
     if not gpus:
         full_env["CUDA_VISIBLE_DEVICES"] = ""
     else:  # never use NVLink multicast on shared machines

@@ -1,0 +1,156 @@
+"""The amax slots of one (autocast scope key, direction): one contiguous buffer, one collective, one update."""
+from __future__ import annotations
+
+import datetime
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .meta import FP8Meta
+from .recipe import DelayedScaling
+from .scaling import update_history_and_scale
+
+_FINGERPRINT_MOD = 1 << 23  # exactly representable in float32
+HEADER = 4  # [fingerprint, -fingerprint, slot count, -slot count], reduced with MAX in front of the amaxes
+LAYOUT_CHECK_TIMEOUT = datetime.timedelta(seconds=30)
+
+# The last layout (fingerprint, slot count) that all ranks of a group were seen to agree on, per scope key
+# and direction. Every rank holds the same entry (each entry is set only after a successful cross-rank
+# check), which is what lets a rank with a new layout size its check collective like the reduction of a
+# rank without one. A cache for safety checks; it holds no training state.
+_AGREED_LAYOUTS: Dict[tuple, Tuple[int, int]] = {}
+
+
+class AmaxLayoutMismatch(RuntimeError):
+    """Ranks of one amax group registered different FP8 tensors (number or order)."""
+
+
+class AmaxTable:
+    """Slots for the amaxes of one direction of one scope key, in registration order.
+
+    A module asks for its slots once per scope (a second call returns the same slots, so a module run twice
+    takes the max of both runs). Slots are views into one zero-initialised buffer that grows by doubling;
+    growth copies the slots written so far (a module writes its slots right after taking them).
+    """
+
+    def __init__(self, direction: str, device: torch.device, capacity: int = 64):
+        self.direction = direction
+        self.device = device
+        self._buffer = torch.zeros(HEADER + capacity, device=device)
+        self._used = 0
+        self._entries: Dict[int, Tuple[FP8Meta, int]] = {}
+        self._order: List[FP8Meta] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @property
+    def metas(self) -> List[FP8Meta]:
+        return list(self._order)
+
+    def slots(self, meta: FP8Meta) -> torch.Tensor:
+        """The `[meta.num_tensors]` amax slots of `meta` in this table."""
+        entry = self._entries.get(id(meta))
+        if entry is None:
+            n = meta.num_tensors
+            if HEADER + self._used + n > self._buffer.numel():
+                grown = torch.zeros(HEADER + max(2 * (self._buffer.numel() - HEADER), self._used + n), device=self.device)
+                grown[: HEADER + self._used].copy_(self._buffer[: HEADER + self._used])
+                self._buffer = grown
+            entry = (meta, self._used)
+            self._entries[id(meta)] = entry
+            self._order.append(meta)
+            self._used += n
+        meta_, offset = entry
+        return self._buffer[HEADER + offset : HEADER + offset + meta_.num_tensors]
+
+    def fingerprint(self) -> int:
+        crc = 0
+        for meta in self._order:
+            crc = zlib.crc32(meta.tag_hash.to_bytes(4, "little"), crc)
+        return crc % _FINGERPRINT_MOD
+
+    def reduce_and_update(
+        self, recipe: DelayedScaling, group: Optional[dist.ProcessGroup], fp8_max: float, scope: str
+    ) -> None:
+        """One all-reduce(MAX) over `group` (if it has several ranks), then one batched history/scale update.
+
+        Layout safety. Every reduction carries the layout fingerprint and slot count in a 4-element header.
+        When this rank's layout differs from the last one the group agreed on, it first runs a check
+        collective of exactly the size the agreed layout's reduction has, so it pairs with a rank that
+        reduces the old layout as well as with ranks that check: both see different headers and raise
+        `AmaxLayoutMismatch` naming the scope (instead of gloo aborting on a size mismatch or NCCL hanging).
+        The header of the reduction itself is checked on the host on CPU; on CUDA nothing is read on the
+        host (a captured graph can hold the whole step) and a mismatch skips the update and shows in the
+        tensors' `nonfinite_count`.
+        """
+        if not self._order:
+            return
+        buf = self._buffer[: HEADER + self._used]
+        amax = buf[HEADER:]
+        on_cpu = self.device.type == "cpu"
+        if recipe.reduce_amax and group is not None and dist.get_world_size(group) > 1:
+            fp = self.fingerprint()
+            self._check_layout_if_new(group, (recipe, id(group), self.direction), fp, scope)
+            buf[0].fill_(fp)
+            buf[1].fill_(-fp)
+            buf[2].fill_(self._used)
+            buf[3].fill_(-self._used)
+            if on_cpu:
+                self._all_reduce_checked(buf, group, scope, "reduction")
+                self._check_header(buf[:HEADER], scope)
+            else:
+                dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)  # the one collective of this table
+                mismatch = (buf[0] != -buf[1]) | (buf[2] != -buf[3])
+                amax = torch.where(mismatch, torch.full_like(amax, float("nan")), amax)
+        metas = self._order
+        sizes = [m.num_tensors for m in metas]
+        history = torch.cat([m.amax_history for m in metas])
+        scale = torch.cat([m.scale for m in metas])
+        new_history, new_scale, nonfinite = update_history_and_scale(
+            history, scale, amax, fp8_max, recipe.margin, recipe.amax_compute_algo
+        )
+        torch._foreach_copy_([m.amax_history for m in metas], list(new_history.split(sizes)))
+        torch._foreach_copy_([m.scale for m in metas], list(new_scale.split(sizes)))
+        torch._foreach_add_([m.nonfinite_count for m in metas], list(nonfinite.long().split(sizes)))
+
+    def _check_layout_if_new(self, group: dist.ProcessGroup, cache_key: tuple, fp: int, scope: str) -> None:
+        agreed = _AGREED_LAYOUTS.get(cache_key)
+        if agreed == (fp, self._used):
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise AmaxLayoutMismatch(
+                f"{scope} {self.direction}: a new amax layout ({self._describe()}) cannot be verified while a "
+                f"CUDA graph is being captured; run one eager step first"
+            )
+        probe = torch.zeros(HEADER + (agreed[1] if agreed else 0), device=self.device)
+        probe[:HEADER] = torch.tensor([fp, -fp, self._used, -self._used], dtype=torch.float32)
+        self._all_reduce_checked(probe, group, scope, "layout check")
+        self._check_header(probe[:HEADER], scope)
+        _AGREED_LAYOUTS[cache_key] = (fp, self._used)
+
+    def _all_reduce_checked(self, buf: torch.Tensor, group: dist.ProcessGroup, scope: str, what: str) -> None:
+        """all-reduce(MAX) that fails with a clear error instead of hanging when ranks disagree."""
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True).wait(timeout=LAYOUT_CHECK_TIMEOUT)
+        except Exception as e:  # another rank issued a collective of another size
+            raise AmaxLayoutMismatch(
+                f"{scope} {self.direction}: amax {what} failed; this rank registered {self._used} FP8 tensors "
+                f"({self._describe()}); other ranks of the group registered a different layout ({e})"
+            ) from e
+
+    def _check_header(self, header: torch.Tensor, scope: str) -> None:
+        h = header.tolist()
+        if h[0] != -h[1] or h[2] != -h[3]:
+            raise AmaxLayoutMismatch(
+                f"{scope} {self.direction}: ranks registered different FP8 tensor layouts: slot counts range "
+                f"{int(-h[3])}..{int(h[2])}, layout fingerprints differ; this rank has {self._used} slots "
+                f"({self._describe()})"
+            )
+
+    def _describe(self, limit: int = 6) -> str:
+        tags = [f"{m.tag}[{m.num_tensors}]" for m in self._order[:limit]]
+        more = f", ... {len(self._order) - limit} more" if len(self._order) > limit else ""
+        return ", ".join(tags) + more

@@ -1,0 +1,45 @@
+"""Per-module FP8 state: amax histories and scales of one direction, as fixed-shape buffers."""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+
+class FP8Meta(torch.nn.Module):
+    """Amax history `[n, L]` (newest in column 0), scale `[n]`, and a non-finite-amax counter `[n]`.
+
+    A module owns one per direction: forward (its input and weight) and backward (its grad_output). They are
+    buffers, so they travel in the state dict as plain tensors; `L` follows the recipe on first use.
+
+    Args:
+        num_tensors: FP8 tensors of this direction (2 forward: input, weight; 1 backward: grad_output).
+        tag: a description of the owner that is equal on every rank holding the same tensors (used in the
+            cross-rank layout fingerprint, so it must not contain rank-specific values).
+    """
+
+    def __init__(self, num_tensors: int, tag: str, history_len: int = 1, device: Optional[torch.device] = None):
+        super().__init__()
+        self.num_tensors = num_tensors
+        self.tag = tag
+        self.tag_hash = zlib.crc32(f"{tag}/{num_tensors}".encode())
+        self.register_buffer("amax_history", torch.zeros(num_tensors, history_len, device=device))
+        self.register_buffer("scale", torch.ones(num_tensors, device=device))
+        self.register_buffer("nonfinite_count", torch.zeros(num_tensors, dtype=torch.int64, device=device))
+
+    def ensure_history_len(self, length: int) -> None:
+        """Resize the history to `length`, keeping the newest entries (a recipe with another length)."""
+        current = self.amax_history.shape[1]
+        if current == length:
+            return
+        hist = torch.zeros(self.num_tensors, length, device=self.amax_history.device)
+        keep = min(current, length)
+        hist[:, :keep] = self.amax_history[:, :keep]
+        self.amax_history = hist
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "amax_history"
+        if key in state_dict:  # follow the saved history length
+            self.ensure_history_len(state_dict[key].shape[1])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -1,0 +1,55 @@
+"""Nested FP8 autocast scopes and the amax reduction engine."""
+import pytest
+import torch
+
+import fp8_parallel as fp
+from fp8_parallel.modules import Linear
+from launcher import launch
+
+CHECKS = [
+    "identical_state_from_global_max", "one_collective_per_scope_and_direction", "nested_scopes_own_groups",
+    "odd_iterations_module", "module_called_twice", "activation_checkpointing", "eval_no_grad_no_update",
+    "updates_equal_reference", "nonfinite_counted", "mismatched_layouts_raise",
+]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_scopes_multirank(nproc):
+    launch("scope_checks.py", nproc, expect_checks=CHECKS, timeout=400)
+
+
+def test_disabled_scope_runs_high_precision_and_nested_same_key_shares_state():
+    torch.manual_seed(0)
+    lin = Linear(32, 32)
+    x = torch.randn(8, 32)
+    recipe = fp.DelayedScaling()
+    with fp.autocast(recipe=recipe):
+        with fp.autocast(enabled=False):
+            y_hp = lin(x)[0]
+        with fp.autocast(recipe=recipe) as inner:
+            pass
+    torch.testing.assert_close(y_hp, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    from fp8_parallel.scopes import _SCOPE_STACK
+
+    assert not _SCOPE_STACK
+
+
+def test_same_instance_cannot_be_entered_twice():
+    ctx = fp.autocast()
+    with ctx:
+        with pytest.raises(RuntimeError, match="already active"):
+            with ctx:
+                pass
+
+
+def test_current_scaling_modules_match_reference():
+    torch.manual_seed(1)
+    lin = Linear(32, 48)
+    x = torch.randn(16, 32, requires_grad=True)
+    with fp.autocast(recipe=fp.CurrentScaling()):
+        y = lin(x)[0]
+    y.sum().backward()
+    ref = x.detach().double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
+    rel = (y.detach().double() - ref).norm() / ref.norm()
+    assert rel < 0.06, rel
+    assert torch.equal(lin.fp8.fwd.amax_history, torch.zeros_like(lin.fp8.fwd.amax_history))

@@ -1,0 +1,49 @@
+"""Fused quantize (+amax, +transpose) vs copy bandwidth and eager torch; FP8 GEMM wrapper vs raw _scaled_mm."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from common import bench_ms, copy_bandwidth_gbs, dump, record
+from fp8_parallel.gemm import fp8_gemm
+from fp8_parallel.quantize import quantize
+
+
+def bench_quantize() -> None:
+    copy_gbs = copy_bandwidth_gbs()
+    record("quantize", "device copy", "GB/s", copy_gbs)
+    m, n = 16384, 4096
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    scale, slot = torch.full((1,), 40.0, device="cuda"), torch.zeros(1, device="cuda")
+    out = quantize(x, scale, torch.float8_e4m3fn, with_transpose=True)
+    for name, with_t, force_torch in [
+        ("fused +amax +transpose", True, False), ("fused +amax", False, False),
+        ("eager torch +amax +transpose", True, True), ("eager torch +amax", False, True),
+    ]:
+        ms = bench_ms(lambda: quantize(x, scale, torch.float8_e4m3fn, amax_out=slot, with_transpose=with_t,
+                                       out=out, force_torch=force_torch))
+        nbytes = x.numel() * (2 + 1 + (1 if with_t else 0))
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        record("quantize", f"16384x4096 {name}", "GB/s", gbs, "copy bandwidth", gbs / copy_gbs)
+
+
+def bench_gemm() -> None:
+    for m, k, n in [(8192, 8192, 8192), (16384, 4096, 14336), (4096, 4096, 4096)]:
+        a = quantize(torch.randn(m, k, device="cuda"), torch.full((1,), 64.0, device="cuda"), torch.float8_e4m3fn)
+        b = quantize(torch.randn(n, k, device="cuda"), torch.full((1,), 64.0, device="cuda"), torch.float8_e4m3fn)
+        sa, sb = a._scale_inv.reshape(()), b._scale_inv.reshape(())
+        raw = bench_ms(lambda: torch._scaled_mm(a._data, b._data.t(), scale_a=sa, scale_b=sb,
+                                                out_dtype=torch.bfloat16, use_fast_accum=True))
+        ours = bench_ms(lambda: fp8_gemm(a, b, torch.bfloat16, use_fast_accum=True))
+        tflops = 2 * m * n * k / (ours * 1e-3) / 1e12
+        record("gemm", f"{m}x{k}x{n} wrapper", "TFLOP/s", tflops, "raw _scaled_mm time", raw / ours)
+        hp_a, hp_b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = bench_ms(lambda: hp_a @ hp_b.t())
+        record("gemm", f"{m}x{k}x{n} fp8 vs bf16", "speedup", bf16 / ours, "bf16 matmul time", bf16 / ours)
+
+
+if __name__ == "__main__":
+    bench_quantize()
+    bench_gemm()
+    dump(sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl")

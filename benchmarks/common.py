@@ -1,0 +1,62 @@
+"""Shared helpers for GPU benchmarks: timing with CUDA events, bandwidth ceiling, result rows."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, List
+
+import torch
+
+RESULTS: List[Dict] = []
+
+
+def bench_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 50) -> float:
+    """Median milliseconds of `fn` over `iters` runs, timed with CUDA events after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def graph_ms(fn: Callable[[], object], iters: int = 100) -> float:
+    """Median milliseconds of one replay of `fn` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay, warmup=5, iters=iters)
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written), the memory ceiling of this run."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a), iters=20)
+    return 2 * a.numel() / (ms * 1e-3) / 1e9
+
+
+def record(bench: str, case: str, metric: str, value: float, baseline: str = "", ratio: float = float("nan")) -> None:
+    row = dict(bench=bench, case=case, metric=metric, value=value, baseline=baseline, ratio=ratio)
+    RESULTS.append(row)
+    print(f"{bench:14s} {case:34s} {metric:14s} {value:12.4f}  {baseline:24s} {ratio:8.3f}", flush=True)
+
+
+def dump(path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        for row in RESULTS:
+            f.write(json.dumps(row) + "\n")

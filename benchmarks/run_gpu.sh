@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run every GPU test and benchmark in one call and print one table.
+#   bash benchmarks/run_gpu.sh [results.jsonl]
+# Needs a CUDA machine with torch and triton; megatron-core (and torchao for the module benchmarks) must be
+# importable. Multi-GPU tests run when 2+ GPUs are visible.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out=${1:-bench_results.jsonl}
+rm -f "$out"
+status=0
+python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
+timeout 900 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25 || status=1
+for b in benchmarks/bench_*.py; do
+  echo "== $b"
+  (cd benchmarks && timeout 600 python3 "$(basename "$b")" "../$out") || status=1
+done
+python3 - "$out" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(f"\n{'bench':14s} {'case':38s} {'metric':9s} {'value':>11s}  {'ratio vs':24s} {'ratio':>7s}")
+for r in rows:
+    print(f"{r['bench']:14s} {r['case']:38s} {r['metric']:9s} {r['value']:11.3f}  {r['baseline']:24s} {r['ratio']:7.3f}")
+PY
+exit $status

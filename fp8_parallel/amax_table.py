@@ -16,6 +16,10 @@ _FINGERPRINT_MOD = 1 << 23  # exactly representable in float32
 HEADER = 4  # [fingerprint, -fingerprint, slot count, -slot count], reduced with MAX in front of the amaxes
 LAYOUT_CHECK_TIMEOUT = datetime.timedelta(seconds=30)
 
+# Device address tables for the fused CUDA update, per exact set of FP8 state tensors (a cache).
+_ADDRESS_TABLES: Dict[tuple, torch.Tensor] = {}
+_ADDRESS_TABLES_MAX = 256
+
 # The last layout (fingerprint, slot count) that all ranks of a group were seen to agree on, per scope key
 # and direction. Every rank holds the same entry (each entry is set only after a successful cross-rank
 # check), which is what lets a rank with a new layout size its check collective like the reduction of a
@@ -32,7 +36,8 @@ class AmaxTable:
 
     A module asks for its slots once per scope (a second call returns the same slots, so a module run twice
     takes the max of both runs). Slots are views into one zero-initialised buffer that grows by doubling;
-    growth copies the slots written so far (a module writes its slots right after taking them).
+    growth copies the slots written so far. A slot view is current until the next registration grows the
+    buffer (modules write their slots right after taking them; others call `slots()` again).
     """
 
     def __init__(self, direction: str, device: torch.device, capacity: int = 64):
@@ -42,6 +47,7 @@ class AmaxTable:
         self._used = 0
         self._entries: Dict[int, Tuple[FP8Meta, int]] = {}
         self._order: List[FP8Meta] = []
+        self.force_torch_update = False  # use the batched torch ops even where the fused kernel runs
 
     def __len__(self) -> int:
         return len(self._order)
@@ -106,6 +112,8 @@ class AmaxTable:
                 mismatch = (buf[0] != -buf[1]) | (buf[2] != -buf[3])
                 amax = torch.where(mismatch, torch.full_like(amax, float("nan")), amax)
         metas = self._order
+        if not on_cpu and not self.force_torch_update and self._fused_update(amax, recipe, fp8_max):
+            return
         sizes = [m.num_tensors for m in metas]
         history = torch.cat([m.amax_history for m in metas])
         scale = torch.cat([m.scale for m in metas])
@@ -115,6 +123,36 @@ class AmaxTable:
         torch._foreach_copy_([m.amax_history for m in metas], list(new_history.split(sizes)))
         torch._foreach_copy_([m.scale for m in metas], list(new_scale.split(sizes)))
         torch._foreach_add_([m.nonfinite_count for m in metas], list(nonfinite.long().split(sizes)))
+
+    def _fused_update(self, amax: torch.Tensor, recipe: DelayedScaling, fp8_max: float) -> bool:
+        """One Triton kernel for all tensors (CUDA, "max"/"most_recent", one history length)."""
+        from . import triton_kernels
+
+        algo = recipe.amax_compute_algo
+        if not triton_kernels.AVAILABLE or algo not in ("max", "most_recent"):
+            return False
+        length = recipe.amax_history_len
+        if any(m.amax_history.shape[1] != length for m in self._order):
+            return False
+        triton_kernels.amax_update(amax, self._addresses(), length, fp8_max, recipe.margin, algo == "most_recent")
+        return True
+
+    def _addresses(self) -> torch.Tensor:
+        key = tuple([m.storage_id for m in self._order])
+        table = _ADDRESS_TABLES.get(key)
+        if table is None:
+            rows = [[], [], []]
+            for m in self._order:
+                h, s, c = m.amax_history, m.scale, m.nonfinite_count
+                for r in range(m.num_tensors):
+                    rows[0].append(h.data_ptr() + r * h.stride(0) * h.element_size())
+                    rows[1].append(s.data_ptr() + r * s.element_size())
+                    rows[2].append(c.data_ptr() + r * c.element_size())
+            table = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            if len(_ADDRESS_TABLES) >= _ADDRESS_TABLES_MAX:
+                _ADDRESS_TABLES.clear()
+            _ADDRESS_TABLES[key] = table
+        return table
 
     def _check_layout_if_new(self, group: dist.ProcessGroup, cache_key: tuple, fp: int, scope: str) -> None:
         agreed = _AGREED_LAYOUTS.get(cache_key)

@@ -1,10 +1,14 @@
 """Per-module FP8 state: amax histories and scales of one direction, as fixed-shape buffers."""
 from __future__ import annotations
 
+import itertools
 import zlib
 from typing import Optional
 
 import torch
+
+
+_ALLOCATIONS = itertools.count()
 
 
 class FP8Meta(torch.nn.Module):
@@ -27,6 +31,12 @@ class FP8Meta(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(num_tensors, history_len, device=device))
         self.register_buffer("scale", torch.ones(num_tensors, device=device))
         self.register_buffer("nonfinite_count", torch.zeros(num_tensors, dtype=torch.int64, device=device))
+        self.storage_id = next(_ALLOCATIONS)  # changes whenever the buffers are replaced (cached addresses)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.storage_id = next(_ALLOCATIONS)
+        return out
 
     def ensure_history_len(self, length: int) -> None:
         """Resize the history to `length`, keeping the newest entries (a recipe with another length)."""
@@ -37,6 +47,7 @@ class FP8Meta(torch.nn.Module):
         keep = min(current, length)
         hist[:, :keep] = self.amax_history[:, :keep]
         self.amax_history = hist
+        self.storage_id = next(_ALLOCATIONS)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "amax_history"

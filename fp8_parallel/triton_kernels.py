@@ -37,8 +37,8 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         y = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
         y8 = y.to(data_ptr.dtype.element_ty)
         tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
-        if WITH_T:
-            tl.store(t_ptr + offs_n[None, :] * M + offs_m[:, None], y8, mask=mask)
+        if WITH_T:  # store the transposed tile with M contiguous, so the writes coalesce
+            tl.store(t_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y8), mask=tl.trans(mask))
         if WITH_AMAX:
             ax = tl.abs(x)
             ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite
@@ -62,7 +62,7 @@ def quantize_2d(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape
-    block_m, block_n = (64, 128) if transpose is not None else (32, 256)
+    block_m, block_n = (64, 64) if transpose is not None else (32, 256)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     dummy = out._scale_inv
     _quantize_kernel[grid](
@@ -72,5 +72,48 @@ def quantize_2d(
         M, N, x2.stride(0), fp8_max(out._data.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n,
         WITH_T=transpose is not None, WITH_AMAX=amax_out is not None, WITH_NOOP=noop_flag is not None,
-        num_warps=8,
+        num_warps=4 if transpose is not None else 8,
+    )
+
+
+if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def _amax_update_kernel(
+        amax_ptr, hist_addr_ptr, scale_addr_ptr, count_addr_ptr,
+        L, fp8_max, margin_div, float32_max,
+        BLOCK_L: tl.constexpr, MOST_RECENT: tl.constexpr,
+    ):
+        """One program per FP8 tensor: roll its history in place, recompute its scale, count non-finite."""
+        i = tl.program_id(0)
+        a = tl.load(amax_ptr + i)
+        hist_ptr = tl.load(hist_addr_ptr + i).to(tl.pointer_type(tl.float32))
+        scale_ptr = tl.load(scale_addr_ptr + i).to(tl.pointer_type(tl.float32))
+        count_ptr = tl.load(count_addr_ptr + i).to(tl.pointer_type(tl.int64))
+        nonfinite = (a != a) | (a == float("inf"))
+        rolls = (a > 0) & (~nonfinite)
+        offs = tl.arange(0, BLOCK_L)
+        prev = tl.load(hist_ptr + offs - 1, mask=(offs > 0) & (offs < L), other=0.0)
+        new_hist = tl.where(offs == 0, a, prev)
+        if MOST_RECENT:
+            amax = a
+        else:
+            amax = tl.max(tl.where(offs < L, new_hist, 0.0), axis=0)
+        old_scale = tl.load(scale_ptr)
+        sf = (fp8_max / amax) / margin_div
+        sf = tl.where((amax > 0) & (amax == amax) & (amax != float("inf")), sf, old_scale)
+        sf = tl.where(sf == float("inf"), float32_max, sf)
+        tl.store(hist_ptr + offs, new_hist, mask=(offs < L) & rolls)
+        tl.store(scale_ptr, sf, mask=rolls)
+        tl.store(count_ptr, tl.load(count_ptr) + nonfinite.to(tl.int64))
+
+
+def amax_update(amax: torch.Tensor, addresses: torch.Tensor, history_len: int, fp8_max: float, margin: int,
+                most_recent: bool) -> None:
+    """Fused delayed-scaling update. `addresses` is `[3, n]` int64: history row, scale and counter addresses."""
+    n = amax.numel()
+    _amax_update_kernel[(n,)](
+        amax, addresses[0], addresses[1], addresses[2],
+        history_len, fp8_max, float(2.0**margin), torch.finfo(torch.float32).max,
+        BLOCK_L=triton.next_power_of_2(history_len), MOST_RECENT=most_recent, num_warps=4,
     )

@@ -14,22 +14,29 @@ def test_reduce_and_update_graph_equals_eager():
     metas = [FP8Meta(2, f"t{i}", history_len=16, device="cuda") for i in range(50)]
     twins = [FP8Meta(2, f"t{i}", history_len=16, device="cuda") for i in range(50)]
     table, twin_table = AmaxTable("forward", torch.device("cuda")), AmaxTable("forward", torch.device("cuda"))
-    slots = [table.slots(m) for m in metas]
+    for m, t in zip(metas, twins):
+        table.slots(m), twin_table.slots(t)
+    slots = [table.slots(m) for m in metas]  # current views, after the buffer grew
     twin_slots = [twin_table.slots(m) for m in twins]
+    twin_table.force_torch_update = True  # the graph holds the fused kernel; the twin runs batched torch ops
+    table._addresses()  # the device address table is built eagerly, before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         table.reduce_and_update(recipe, None, 448.0, "test")
     for step in range(5):
         vals = torch.rand(50, 2, device="cuda") * 10
+        vals[step, 0] = 0.0  # did not run: no roll
+        vals[step + 1, 1] = float("inf")  # non-finite: counted, no roll
         for s, ts, v in zip(slots, twin_slots, vals):
             s.copy_(v)
             ts.copy_(v)
         graph.replay()
         twin_table.reduce_and_update(recipe, None, 448.0, "test")
     for m, t in zip(metas, twins):
-        assert torch.equal(m.amax_history, t.amax_history) and torch.equal(m.scale, t.scale)
-    assert (metas[0].amax_history[:, :5] > 0).all()
+        assert torch.equal(m.amax_history, t.amax_history) and torch.equal(m.nonfinite_count, t.nonfinite_count)
+        torch.testing.assert_close(m.scale, t.scale, rtol=1e-6, atol=0)
+    assert (metas[10].amax_history[:, :5] > 0).all() and metas[2].nonfinite_count[1].item() == 1
 
 
 def test_linear_on_gpu_matches_reference():

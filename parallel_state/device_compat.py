@@ -10,6 +10,9 @@ megatron-core hard-codes CUDA in places that have nothing to do with the math:
 * the model-parallel RNG tracker, which reads and writes CUDA generator states;
 * the MoE all-to-all dispatcher moves its split sizes "to the host" as numpy arrays only when they are
   on a GPU; on CPU they would stay tensors, which `all_to_all_single` refuses: they become numpy here too;
+* gloo's all_gather / reduce_scatter take only equal-sized tensor lists; megatron's MoE dispatcher with
+  expert-TP > 1 gathers and reduce-scatters unequal token counts (NCCL allows that): here unequal lists are
+  padded to the largest and trimmed again;
 * (not CUDA, but on the same path) megatron-core 0.16's MoE router references `te_general_gemm`, a name
   that is left undefined when TransformerEngine is absent; it is defined as None here, which selects
   megatron's own torch fallback.
@@ -125,7 +128,43 @@ class _DropForkedCpuRngWarning(logging.Filter):
         return "CPU RNG state changed" not in record.getMessage()
 
 
+def _uneven_all_gather(original):
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = {t.shape for t in tensor_list}
+        if len(sizes) <= 1 and tensor.shape in sizes:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        original(gathered, padded.contiguous(), group=group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _uneven_reduce_scatter(original):
+    import torch.distributed as dist
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if len({t.shape for t in input_list}) <= 1 and dist.get_backend(group) != "gloo":
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        stacked = input_list[0].new_zeros((len(input_list), rows) + tuple(input_list[0].shape[1:]))
+        for i, t in enumerate(input_list):
+            stacked[i, : t.shape[0]] = t
+        dist.all_reduce(stacked, op=op, group=group)
+        output.copy_(stacked[dist.get_rank(group), : output.shape[0]])
+        return None
+
+    return reduce_scatter
+
+
 def _patches() -> List[Tuple[Any, str, Any]]:
+    import torch.distributed as dist
+
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -143,6 +182,8 @@ def _patches() -> List[Tuple[Any, str, Any]]:
         (mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state),
         (mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
+        (dist, "all_gather", _uneven_all_gather(dist.all_gather)),
+        (dist, "reduce_scatter", _uneven_reduce_scatter(dist.reduce_scatter)),
     ]
     if not hasattr(moe_utils, "te_general_gemm"):
         patches.append((moe_utils, "te_general_gemm", None))

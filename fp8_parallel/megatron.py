@@ -1,0 +1,177 @@
+"""megatron-core integration: FP8 recipe and contexts from `TransformerConfig`, and a GPT layer spec.
+
+    spec = get_gpt_block_spec(config, num_experts=None)                 # or get_gpt_layer_spec(...)
+    model = GPTModel(config=config, transformer_layer_spec=spec, ...)   # megatron's own GPTModel
+    with fp8_context(config):                                            # one scope for the whole pass
+        output = model(...)
+
+Each `FP8TransformerLayer` opens its own scope too (bf16 for the first/last layers when
+`config.first_last_layers_bf16`); inside an outer `fp8_context` the layer scopes share its key, so the
+whole model still costs one amax collective per direction. MoE experts run in a nested scope over the
+expert amax domain (the ranks that hold the same experts).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from .recipe import CurrentScaling, DelayedScaling, Format, Recipe
+from .scopes import autocast
+from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, RowParallelLinear
+from .modules.norm import Norm
+
+_FORMATS = {"e4m3": Format.E4M3, "hybrid": Format.HYBRID}
+
+
+def recipe_from_config(config) -> Optional[Recipe]:
+    """The recipe that megatron's FP8 fields describe, or None when `config.fp8` is off.
+
+    Raises:
+        ValueError: an `fp8` format or `fp8_recipe` this package does not implement.
+    """
+    if not getattr(config, "fp8", None):
+        return None
+    fmt = _FORMATS.get(str(config.fp8).lower())
+    if fmt is None:
+        raise ValueError(f"config.fp8={config.fp8!r}: expected one of {sorted(_FORMATS)}")
+    kind = str(getattr(config, "fp8_recipe", "delayed")).lower().split(".")[-1]
+    if kind == "delayed":
+        return DelayedScaling(
+            margin=config.fp8_margin, fp8_format=fmt, amax_history_len=config.fp8_amax_history_len,
+            amax_compute_algo=config.fp8_amax_compute_algo,
+        )
+    if kind == "tensorwise":
+        return CurrentScaling(fp8_format=fmt)
+    raise ValueError(f"config.fp8_recipe={config.fp8_recipe!r}: supported are 'delayed' and 'tensorwise'")
+
+
+def _dense_group(config) -> Optional[dist.ProcessGroup]:
+    import parallel_state
+    from megatron.core import parallel_state as mpu
+
+    tp_only = bool(getattr(config, "tp_only_amax_red", False))
+    if parallel_state.is_initialized():
+        return parallel_state.dense_amax_group(tp_only=tp_only)
+    if mpu.model_parallel_is_initialized():
+        return mpu.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=tp_only)
+    return None
+
+
+def _expert_group() -> Optional[dist.ProcessGroup]:
+    import parallel_state
+
+    return parallel_state.expert_amax_group() if parallel_state.is_initialized() else None
+
+
+def is_bf16_layer(config, layer_no: int) -> bool:
+    """Whether global layer `layer_no` (0-based) stays in high precision under `first_last_layers_bf16`."""
+    if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
+        return False
+    start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
+    return layer_no < start or layer_no >= config.num_layers - end
+
+
+def fp8_context(config, layer_no: int = -1, is_expert: bool = False) -> autocast:
+    """The autocast scope for a block (`layer_no=-1`), one layer, or MoE experts, from `config`."""
+    recipe = recipe_from_config(config)
+    if recipe is None or is_bf16_layer(config, layer_no):
+        return autocast(enabled=False)
+    return autocast(recipe=recipe, group=_expert_group() if is_expert else _dense_group(config))
+
+
+class FP8TransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer, run inside its FP8 scope (or in high precision for bf16 layers)."""
+
+    def forward(self, *args, **kwargs):
+        with fp8_context(self.config, self.layer_number - 1):
+            return super().forward(*args, **kwargs)
+
+
+class FP8SequentialMLP(SequentialMLP):
+    """megatron's SequentialMLP experts (our FP8 linears), inside a scope over the expert amax domain."""
+
+    def forward(self, *args, **kwargs):
+        from .scopes import current_scope
+
+        scope = current_scope()
+        if scope is None or not scope.enabled:
+            return super().forward(*args, **kwargs)
+        with fp8_context(self.config, is_expert=True):
+            return super().forward(*args, **kwargs)
+
+
+def get_gpt_layer_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    normalization: str = "LayerNorm",
+) -> ModuleSpec:
+    """A `TransformerLayer` spec with this package's FP8 modules (QKV and fc1 with the norm fused in front).
+
+    Set `config.normalization` to the same value. `moe_grouped_gemm=True` is not implemented yet (the
+    experts run as megatron's SequentialMLP of FP8 linears).
+    """
+    if moe_grouped_gemm:
+        raise NotImplementedError("moe_grouped_gemm=True: a grouped FP8 expert linear is not implemented yet")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization={normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=LayerNormColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=Norm if qk_layernorm else IdentityOp,
+            k_layernorm=Norm if qk_layernorm else IdentityOp,
+        ),
+    )
+    if num_experts is None:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=LayerNormColumnParallelLinear, linear_fc2=RowParallelLinear))
+        pre_mlp_norm = IdentityOp
+    else:
+        experts = ModuleSpec(module=FP8SequentialMLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+        mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=None))
+        pre_mlp_norm = Norm
+    return ModuleSpec(
+        module=FP8TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_gpt_block_spec(config, num_experts: Optional[int] = None, vp_stage: Optional[int] = None, **kwargs) -> ModuleSpec:
+    """A `TransformerBlock` spec: this stage's layers from `get_gpt_layer_spec` and a final norm that supports
+    sequence parallelism (megatron's torch-norm fallback refuses it without TransformerEngine or apex)."""
+    layer = get_gpt_layer_spec(num_experts=num_experts, normalization=getattr(config, "normalization", "LayerNorm"), **kwargs)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=Norm
+        ),
+    )

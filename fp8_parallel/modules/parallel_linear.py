@@ -1,0 +1,61 @@
+"""Tensor-parallel FP8 linears: megatron-core's Column/RowParallelLinear with FP8 GEMMs.
+
+They subclass megatron's layers, so constructor signatures, parameters (with their tensor-parallel
+attributes), `(output, bias)` returns, `sharded_state_dict` and the tensor/sequence-parallel communication
+are megatron's own; only the local GEMMs change. Communication stays in high precision, through megatron's
+autograd-aware mappings: sequence parallel all-gathers the input before the GEMM and reduce-scatters its
+gradient; plain TP all-reduces the input gradient (column) or the output (row, in megatron's forward).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel as mtp
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from ._core import FP8State, fp8_linear
+
+
+def _wgrad_in_fp8(config) -> bool:
+    return getattr(config, "fp8_wgrad", True)
+
+
+class ColumnParallelLinear(mtp.ColumnParallelLinear):
+    """megatron-core `ColumnParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        device = None if self.weight is None else self.weight.device
+        self.fp8 = FP8State(f"ColumnParallelLinear({input_size},{output_size})", device=device)
+        self.is_first_microbatch: Optional[bool] = None
+
+    def forward(self, input_, weight=None, runtime_gather_output=None, is_first_microbatch: Optional[bool] = None):
+        self.is_first_microbatch = is_first_microbatch
+        return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    def _forward_impl(self, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, **_):
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return fp8_linear(input, weight, bias, self.fp8, self.is_first_microbatch, _wgrad_in_fp8(self.config))
+
+
+class RowParallelLinear(mtp.RowParallelLinear):
+    """megatron-core `RowParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        self.fp8 = FP8State(f"RowParallelLinear({input_size},{output_size})", device=self.weight.device)
+        self.is_first_microbatch: Optional[bool] = None
+
+    def forward(self, input_, is_first_microbatch: Optional[bool] = None):
+        self.is_first_microbatch = is_first_microbatch
+        return super().forward(input_)
+
+    def _forward_impl(self, input, weight, bias, **_):
+        return fp8_linear(input, weight, bias, self.fp8, self.is_first_microbatch, _wgrad_in_fp8(self.config))

@@ -1,0 +1,63 @@
+"""Parallel FP8 modules and the megatron-core integration."""
+import pytest
+import torch
+
+import fp8_parallel as fp
+from launcher import launch
+
+
+def test_tp2_modules_match_single_rank_cache_and_state_dict():
+    launch("module_checks.py", 2, ["mlp"], timeout=300, expect_checks=[
+        "tp2_matches_single_rank", "tp2_sp_matches_single_rank", "weight_caching", "state_dict_tp2_to_tp1"])
+
+
+def test_megatron_gpt_dense_and_moe_fp8_under_megatron_schedule():
+    launch("module_checks.py", 8, ["gpt"], timeout=500, expect_checks=[
+        "gpt_dense_tp2_pp2_fp8", "gpt_moe_tp2_pp2_ep2_fp8"])
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=6, hidden_size=32, num_attention_heads=4, **kw)
+
+
+def test_recipe_from_megatron_config():
+    from fp8_parallel.megatron import fp8_context, is_bf16_layer, recipe_from_config
+
+    assert recipe_from_config(_config()) is None
+    r = recipe_from_config(_config(fp8="e4m3", fp8_recipe="delayed", fp8_margin=1, fp8_amax_history_len=7,
+                                   fp8_amax_compute_algo="max"))
+    assert r == fp.DelayedScaling(margin=1, fp8_format=fp.Format.E4M3, amax_history_len=7, amax_compute_algo="max")
+    assert recipe_from_config(_config(fp8="hybrid", fp8_recipe="tensorwise")) == fp.CurrentScaling()
+    with pytest.raises(ValueError, match="fp8_recipe='mxfp8'"):
+        recipe_from_config(_config(fp8="hybrid", fp8_recipe="mxfp8"))
+    # megatron refuses first/last-bf16 layers with delayed scaling (its TE path cannot do it); ours can
+    cfg = _config(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True,
+                  num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2)
+    assert [is_bf16_layer(cfg, i) for i in range(6)] == [True, False, False, False, True, True]
+    assert not fp8_context(cfg, 0).enabled and fp8_context(cfg, 2).enabled
+
+
+def test_fp8_wgrad_false_computes_wgrad_in_high_precision():
+    from fp8_parallel.modules import FP8State, fp8_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 32, requires_grad=True)
+    x = torch.randn(16, 32, requires_grad=True)
+    state = FP8State("t")
+    with fp.autocast(recipe=fp.DelayedScaling()):
+        y = fp8_linear(x, w, None, state, wgrad_in_fp8=False)
+    g = torch.randn_like(y)
+    y.backward(g)
+    # wgrad = g^T x exactly, in high precision
+    torch.testing.assert_close(w.grad, g.t() @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_layer_spec_refuses_unimplemented_options():
+    from fp8_parallel.megatron import get_gpt_layer_spec
+
+    with pytest.raises(NotImplementedError, match="moe_grouped_gemm"):
+        get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True)
+    with pytest.raises(ValueError, match="normalization='BatchNorm'"):
+        get_gpt_layer_spec(normalization="BatchNorm")

@@ -1,0 +1,306 @@
+"""Multi-rank checks of the parallel FP8 modules and the megatron integration (gloo, every rank asserts).
+
+Usage (under torchrun): module_checks.py mlp      (2 ranks: TP2 with and without SP vs a single-rank model)
+                        module_checks.py gpt      (8 ranks: GPTModel dense TP2xPP2 and MoE TP2xPP2xEP2)
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fp8_parallel as fp
+import parallel_state as ps
+from rank_checks import run_checks, test_seed
+
+MODE = sys.argv[1]
+D, F, TOKENS = 64, 128, 32
+
+
+def _mlp_config(sp: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=D, ffn_hidden_size=F, num_attention_heads=4, use_cpu_initialization=True,
+        tensor_model_parallel_size=ps.get_size("tp"), sequence_parallel=sp, params_dtype=torch.float32,
+    )
+
+
+def _tp_mlp(config):
+    init = torch.nn.init.normal_
+    fc1 = fp.ColumnParallelLinear(D, F, config=config, init_method=init, bias=True, gather_output=False)
+    fc2 = fp.RowParallelLinear(F, D, config=config, init_method=init, bias=True, input_is_parallel=True,
+                               skip_bias_add=False)
+    return fc1, fc2
+
+
+def _assert_rel(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
+    """Norm-wise relative error: identical FP8 casts except where an fp32 accumulation-order difference moves
+    a value across an FP8 rounding boundary (one E5M2 step is 25%), which elementwise tolerances cannot take."""
+    rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+    assert rel < tol, f"{what}: relative error {rel:.2e} >= {tol:.0e}"
+
+
+def _gather_full(t: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(ps.get_size("tp"))]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_group("tp"))
+    return torch.cat(parts, dim=dim)
+
+
+def _run_tp(fc1, fc2, x_full, sp, recipe, is_first=None):
+    tp_rank, tp = ps.get_rank("tp"), ps.get_size("tp")
+    x = x_full.chunk(tp, dim=0)[tp_rank] if sp else x_full  # [s, b, h]; SP shards the sequence
+    x = x.detach().clone().requires_grad_()
+    with ps.cpu_compat(), fp.autocast(recipe=recipe, group=ps.dense_amax_group()):
+        h, _ = fc1(x, is_first_microbatch=is_first)
+        y, _ = fc2(torch.nn.functional.gelu(h), is_first_microbatch=is_first)
+    with ps.cpu_compat():
+        (y.float() ** 2).sum().backward()
+    for p in list(fc1.parameters()) + list(fc2.parameters()):  # as megatron's finalize_model_grads does
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=ps.get_group("tp"))
+    y_full = _gather_full(y, 0) if sp else y
+    gx = _gather_full(x.grad, 0) if sp else x.grad
+    return y_full, gx
+
+
+def _run_ref(l1, l2, x_full, recipe):
+    x = x_full.detach().clone().requires_grad_()
+    with fp.autocast(recipe=recipe, group=None):
+        y = l2(torch.nn.functional.gelu(l1(x)[0]))[0]
+    (y.float() ** 2).sum().backward()
+    return y, x.grad
+
+
+def _reference_from(fc1, fc2):
+    l1, l2 = fp.Linear(D, F), fp.Linear(F, D)
+    with torch.no_grad():
+        l1.weight.copy_(_gather_full(fc1.weight, 0))
+        l1.bias.copy_(_gather_full(fc1.bias, 0))
+        l2.weight.copy_(_gather_full(fc2.weight, 1))
+        l2.bias.copy_(fc2.bias)
+    return l1, l2
+
+
+def _set_scales(mods, gen):
+    for m in mods:  # identical, non-trivial scales on both sides
+        m.fp8.fwd.scale.copy_(torch.rand(2, generator=gen) * 20 + 5)
+        m.fp8.bwd.scale.copy_(torch.rand(1, generator=gen) * 2000 + 500)
+
+
+def check_tp_matches_single_rank(sp: bool):
+    def check():
+        config = _mlp_config(sp)
+        torch.manual_seed(test_seed() % 1000)
+        fc1, fc2 = _tp_mlp(config)
+        l1, l2 = _reference_from(fc1, fc2)
+        recipe = fp.DelayedScaling(amax_history_len=4)
+        gen = torch.Generator().manual_seed(test_seed())
+        for step in range(3):
+            x = torch.randn(TOKENS // 2, 2, D, generator=gen)  # [seq, batch, hidden], same on all ranks
+            if step == 0:
+                g = torch.Generator().manual_seed(test_seed() + 5)
+                _set_scales([fc1, fc2], g)
+                g = torch.Generator().manual_seed(test_seed() + 5)
+                _set_scales([l1, l2], g)
+            for p in list(fc1.parameters()) + list(fc2.parameters()) + list(l1.parameters()) + list(l2.parameters()):
+                p.grad = None
+            y, gx = _run_tp(fc1, fc2, x, sp, recipe)
+            yr, gxr = _run_ref(l1, l2, x, recipe)
+            # identical FP8 casts; only fp32 accumulation order differs (row-parallel partial sums)
+            torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
+            _assert_rel(gx, gxr, 1e-3, "input grad")
+            _assert_rel(_gather_full(fc1.weight.grad, 0), l1.weight.grad, 1e-3, "fc1 weight grad")
+            _assert_rel(_gather_full(fc1.bias.grad, 0), l1.bias.grad, 1e-3, "fc1 bias grad")
+            _assert_rel(_gather_full(fc2.weight.grad, 1), l2.weight.grad, 1e-3, "fc2 weight grad")
+            _assert_rel(fc2.bias.grad, l2.bias.grad, 1e-3, "fc2 bias grad")
+            # amaxes were reduced over the TP domain: the FP8 state equals the unsharded model's
+            for m, r in ((fc1, l1), (fc2, l2)):
+                for a, b in ((m.fp8.fwd, r.fp8.fwd), (m.fp8.bwd, r.fp8.bwd)):
+                    torch.testing.assert_close(a.amax_history, b.amax_history, rtol=1e-6, atol=0)
+                    torch.testing.assert_close(a.scale, b.scale, rtol=1e-6, atol=0)
+        # and within FP8 tolerance of the high-precision model
+        with torch.no_grad():
+            x = torch.randn(TOKENS // 2, 2, D, generator=gen)
+            hp = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, l1.weight, l1.bias)), l2.weight, l2.bias)
+        y, _ = _run_tp(fc1, fc2, x, sp, recipe)
+        rel = ((y.detach() - hp).norm() / hp.norm()).item()
+        assert rel < 0.08, rel
+    return check
+
+
+def check_weight_caching():
+    config = _mlp_config(False)
+    torch.manual_seed(1)
+    fc1, fc2 = _tp_mlp(config)
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    gen = torch.Generator().manual_seed(test_seed())
+    casts = []
+    import fp8_parallel.modules._core as core
+
+    original = core._cast
+
+    def counting_cast(x, recipe, scale, slot, dtype, out=None):
+        casts.append(tuple(x.shape))
+        return original(x, recipe, scale, slot, dtype, out)
+
+    core._cast = counting_cast
+    try:
+        opt = torch.optim.SGD(list(fc1.parameters()) + list(fc2.parameters()), lr=0.1)
+        for step in range(2):
+            for mb in range(3):
+                casts.clear()
+                _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=(mb == 0))
+                weight_casts = [c for c in casts if c in (tuple(fc1.weight.shape), tuple(fc2.weight.shape))]
+                assert len(weight_casts) == (2 if mb == 0 else 0), (step, mb, casts)
+            cached = fc1.fp8.weight_fp8
+            ptr = cached._data.data_ptr()
+            opt.step()
+            opt.zero_grad()
+        # after the optimizer step the first microbatch recast into the same buffer, with the new weights
+        assert fc1.fp8.weight_fp8._data.data_ptr() == ptr
+    finally:
+        core._cast = original
+    # the cached weight carries the scale_inv it was cast with, and its transpose is never stale
+    w8 = fc1.fp8.weight_fp8
+    _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=True)
+    assert torch.equal(w8._scale_inv, fc1.fp8.weight_fp8._scale_inv)
+    with torch.no_grad():
+        fc1.weight.add_(1.0)
+    _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=True)
+    w8 = fc1.fp8.weight_fp8
+    torch.testing.assert_close(w8.transpose_2d().dequantize(torch.float32), w8.dequantize(torch.float32).t())
+    from fp8_parallel.quantize import quantize
+
+    expected = quantize(fc1.weight.detach(), w8._scale_inv.reciprocal().reshape(1), torch.float8_e4m3fn)
+    assert torch.equal(w8._data.view(torch.uint8), expected._data.view(torch.uint8))  # the updated weights
+
+
+def check_state_dict_round_trip_and_tp2_to_tp1():
+    config = _mlp_config(False)
+    torch.manual_seed(2)
+    fc1, fc2 = _tp_mlp(config)
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    gen = torch.Generator().manual_seed(test_seed())
+    for _ in range(2):
+        _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe)
+    sd1 = fc1.state_dict()
+    assert all(isinstance(v, torch.Tensor) for k, v in sd1.items() if k.startswith("fp8.")), sd1.keys()
+    assert sd1["fp8.fwd.amax_history"].shape == (2, 4) and sd1["fp8.recipe"].tolist()[:4] == [1, 1, 0, 4]
+    # round trip into a fresh TP2 module
+    fresh1, fresh2 = _tp_mlp(config)
+    fresh1.load_state_dict(sd1)
+    fresh2.load_state_dict(fc2.state_dict())
+    for a, b in ((fc1, fresh1), (fc2, fresh2)):
+        for k, v in a.state_dict().items():
+            if v is not None and isinstance(v, torch.Tensor):
+                assert torch.equal(v, b.state_dict()[k]), k
+    # TP2 state into a TP1 (single-rank) model: same outputs
+    l1, l2 = _reference_from(fc1, fc2)
+    for src, dst in ((fc1, l1), (fc2, l2)):
+        dst.fp8.load_state_dict(src.fp8.state_dict())
+    x = torch.randn(8, 2, D, generator=gen)
+    with torch.no_grad():
+        with ps.cpu_compat(), fp.autocast(recipe=recipe, group=ps.dense_amax_group()):
+            y = fc2(torch.nn.functional.gelu(fc1(x)[0]))[0]
+        with fp.autocast(recipe=recipe, group=None):
+            yr = l2(torch.nn.functional.gelu(l1(x)[0]))[0]
+    torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
+
+
+def _gpt_checks():
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from fp8_parallel.megatron import fp8_context, get_gpt_block_spec
+    from fp8_parallel.modules import FP8State
+
+    def run(moe: bool):
+        extra = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                     moe_ffn_hidden_size=64, add_bias_linear=False) if moe else {}
+        with ps.cpu_compat():
+            model_parallel_cuda_manual_seed(test_seed() % 1000)
+            cfg = TransformerConfig(
+                num_layers=4, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                expert_model_parallel_size=2 if moe else 1, sequence_parallel=True, pipeline_dtype=torch.float32,
+                fp8=None if moe else "hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
+                fp8_amax_compute_algo="max", **extra,
+            )
+            cfg.fp8 = "hybrid"  # megatron 0.16 refuses fp8 + MoE in __post_init__ without TransformerEngine
+            model = GPTModel(
+                config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, num_experts=4 if moe else None),
+                vocab_size=128, max_sequence_length=32,
+                pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+            )
+            opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+            gen = torch.Generator().manual_seed(test_seed())
+            batches = [torch.randint(0, 128, (2, 32), generator=gen) for _ in range(4)]
+
+            def loss_func(out):
+                loss = out.float().mean()
+                return loss, {"loss": loss.detach().clone()}
+
+            def forward_step(it, m):
+                t = next(it)
+                with fp8_context(cfg):
+                    out = m(t, torch.arange(32).expand(2, 32), None, labels=torch.roll(t, -1, 1))
+                return out, loss_func
+
+            losses = []
+            for _ in range(6):
+                opt.zero_grad()
+                out = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+                    num_microbatches=4, seq_length=32, micro_batch_size=2,
+                )
+                for p in model.parameters():  # sequence-parallel norms: their grads sum over TP
+                    if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                        dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
+                for p in model.parameters():  # keep DP/expert-DP replicas in step
+                    if p.grad is not None:
+                        g = mpu.get_expert_data_parallel_group() if not getattr(p, "allreduce", True) else mpu.get_data_parallel_group()
+                        dist.all_reduce(p.grad, group=g)
+                        p.grad /= dist.get_world_size(g)
+                opt.step()
+                if mpu.is_pipeline_last_stage():
+                    losses.append(sum(d["loss"].item() for d in out) / 4)
+        if mpu.is_pipeline_last_stage():
+            assert losses[-1] < 0.9 * losses[0], losses
+        states = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8State)]
+        assert states and all((m.fwd.amax_history[:, 0] > 0).all() for _, m in states)
+        for name, m in states:
+            expert = ".experts." in name
+            group = ps.expert_amax_group() if expert else ps.dense_amax_group()
+            for t in (m.fwd.scale, m.bwd.scale, m.fwd.amax_history):
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, t, group=group)
+                assert all(torch.equal(p, t) for p in parts), f"{name} differs within its amax domain"
+        return states
+
+    def dense():
+        run(False)
+
+    def moe():
+        states = run(True)
+        assert any(".experts." in n for n, _ in states)
+
+    return [("gpt_dense_tp2_pp2_fp8", dense), ("gpt_moe_tp2_pp2_ep2_fp8", moe)]
+
+
+if MODE == "mlp":
+    ps.initialize(tp=2)
+    checks = [
+        ("tp2_matches_single_rank", check_tp_matches_single_rank(False)),
+        ("tp2_sp_matches_single_rank", check_tp_matches_single_rank(True)),
+        ("weight_caching", check_weight_caching),
+        ("state_dict_tp2_to_tp1", check_state_dict_round_trip_and_tp2_to_tp1),
+    ]
+else:
+    ps.initialize(tp=2, pp=2, ep=2)
+    checks = _gpt_checks()
+run_checks(checks)
+ps.destroy()

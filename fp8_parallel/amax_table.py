@@ -16,9 +16,27 @@ _FINGERPRINT_MOD = 1 << 23  # exactly representable in float32
 HEADER = 4  # [fingerprint, -fingerprint, slot count, -slot count], reduced with MAX in front of the amaxes
 LAYOUT_CHECK_TIMEOUT = datetime.timedelta(seconds=30)
 
-# Device address tables for the fused CUDA update, per exact set of FP8 state tensors (a cache).
-_ADDRESS_TABLES: Dict[tuple, torch.Tensor] = {}
-_ADDRESS_TABLES_MAX = 256
+class _LayoutInfo:
+    """What a reduction needs to know about one exact list of FP8 state tensors, computed once: the layout
+    fingerprint, the device header, the history lengths, and (lazily) the device address table."""
+
+    __slots__ = ("fingerprint", "used", "history_lens", "header", "addresses")
+
+    def __init__(self, metas: List[FP8Meta], device: torch.device):
+        crc = 0
+        for meta in metas:
+            crc = zlib.crc32(meta.tag_hash.to_bytes(4, "little"), crc)
+        self.fingerprint = crc % _FINGERPRINT_MOD
+        self.used = sum(m.num_tensors for m in metas)
+        self.history_lens = {m.amax_history.shape[1] for m in metas}
+        fp = self.fingerprint
+        self.header = torch.tensor([fp, -fp, self.used, -self.used], dtype=torch.float32, device=device)
+        self.addresses: Optional[torch.Tensor] = None
+
+
+# Layout facts per exact list of FP8 state tensors (keyed by their storage ids): a cache, no training state.
+_LAYOUTS: Dict[tuple, _LayoutInfo] = {}
+_LAYOUTS_MAX = 256
 
 # The last layout (fingerprint, slot count) that all ranks of a group were seen to agree on, per scope key
 # and direction. Every rank holds the same entry (each entry is set only after a successful cross-rank
@@ -72,11 +90,17 @@ class AmaxTable:
         meta_, offset = entry
         return self._buffer[HEADER + offset : HEADER + offset + meta_.num_tensors]
 
+    def _layout(self) -> _LayoutInfo:
+        key = tuple([m.storage_id for m in self._order])
+        info = _LAYOUTS.get(key)
+        if info is None:
+            if len(_LAYOUTS) >= _LAYOUTS_MAX:
+                _LAYOUTS.clear()
+            info = _LAYOUTS[key] = _LayoutInfo(self._order, self.device)
+        return info
+
     def fingerprint(self) -> int:
-        crc = 0
-        for meta in self._order:
-            crc = zlib.crc32(meta.tag_hash.to_bytes(4, "little"), crc)
-        return crc % _FINGERPRINT_MOD
+        return self._layout().fingerprint
 
     def reduce_and_update(
         self, recipe: DelayedScaling, group: Optional[dist.ProcessGroup], fp8_max: float, scope: str
@@ -97,13 +121,10 @@ class AmaxTable:
         buf = self._buffer[: HEADER + self._used]
         amax = buf[HEADER:]
         on_cpu = self.device.type == "cpu"
+        layout = self._layout()
         if recipe.reduce_amax and group is not None and dist.get_world_size(group) > 1:
-            fp = self.fingerprint()
-            self._check_layout_if_new(group, (recipe, id(group), self.direction), fp, scope)
-            buf[0].fill_(fp)
-            buf[1].fill_(-fp)
-            buf[2].fill_(self._used)
-            buf[3].fill_(-self._used)
+            self._check_layout_if_new(group, (recipe, id(group), self.direction), layout.fingerprint, scope)
+            buf[:HEADER].copy_(layout.header)
             if on_cpu:
                 self._all_reduce_checked(buf, group, scope, "reduction")
                 self._check_header(buf[:HEADER], scope)
@@ -112,7 +133,7 @@ class AmaxTable:
                 mismatch = (buf[0] != -buf[1]) | (buf[2] != -buf[3])
                 amax = torch.where(mismatch, torch.full_like(amax, float("nan")), amax)
         metas = self._order
-        if not on_cpu and not self.force_torch_update and self._fused_update(amax, recipe, fp8_max):
+        if not on_cpu and not self.force_torch_update and self._fused_update(amax, recipe, fp8_max, layout):
             return
         sizes = [m.num_tensors for m in metas]
         history = torch.cat([m.amax_history for m in metas])
@@ -124,23 +145,24 @@ class AmaxTable:
         torch._foreach_copy_([m.scale for m in metas], list(new_scale.split(sizes)))
         torch._foreach_add_([m.nonfinite_count for m in metas], list(nonfinite.long().split(sizes)))
 
-    def _fused_update(self, amax: torch.Tensor, recipe: DelayedScaling, fp8_max: float) -> bool:
+    def _fused_update(self, amax: torch.Tensor, recipe: DelayedScaling, fp8_max: float, layout: _LayoutInfo) -> bool:
         """One Triton kernel for all tensors (CUDA, "max"/"most_recent", one history length)."""
         from . import triton_kernels
 
         algo = recipe.amax_compute_algo
         if not triton_kernels.AVAILABLE or algo not in ("max", "most_recent"):
             return False
-        length = recipe.amax_history_len
-        if any(m.amax_history.shape[1] != length for m in self._order):
+        if layout.history_lens != {recipe.amax_history_len}:
             return False
-        triton_kernels.amax_update(amax, self._addresses(), length, fp8_max, recipe.margin, algo == "most_recent")
+        triton_kernels.amax_update(
+            amax, self._addresses(), recipe.amax_history_len, fp8_max, recipe.margin, algo == "most_recent"
+        )
         return True
 
     def _addresses(self) -> torch.Tensor:
-        key = tuple([m.storage_id for m in self._order])
-        table = _ADDRESS_TABLES.get(key)
-        if table is None:
+        """`[3, slots]` int64 device addresses of each slot's history row, scale and counter (cached)."""
+        layout = self._layout()
+        if layout.addresses is None:
             rows = [[], [], []]
             for m in self._order:
                 h, s, c = m.amax_history, m.scale, m.nonfinite_count
@@ -148,11 +170,8 @@ class AmaxTable:
                     rows[0].append(h.data_ptr() + r * h.stride(0) * h.element_size())
                     rows[1].append(s.data_ptr() + r * s.element_size())
                     rows[2].append(c.data_ptr() + r * c.element_size())
-            table = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            if len(_ADDRESS_TABLES) >= _ADDRESS_TABLES_MAX:
-                _ADDRESS_TABLES.clear()
-            _ADDRESS_TABLES[key] = table
-        return table
+            layout.addresses = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return layout.addresses
 
     def _check_layout_if_new(self, group: dist.ProcessGroup, cache_key: tuple, fp: int, scope: str) -> None:
         agreed = _AGREED_LAYOUTS.get(cache_key)

@@ -22,16 +22,24 @@ def test_disabled_scope_runs_high_precision_and_nested_same_key_shares_state():
     torch.manual_seed(0)
     lin = Linear(32, 32)
     x = torch.randn(8, 32)
+    other = Linear(32, 32)
     recipe = fp.DelayedScaling()
+    from fp8_parallel.scopes import _SCOPE_STACK, current_scope
+
     with fp.autocast(recipe=recipe):
+        outer_state = current_scope().state
         with fp.autocast(enabled=False):
             y_hp = lin(x)[0]
-        with fp.autocast(recipe=recipe) as inner:
-            pass
+        with fp.autocast(recipe=fp.DelayedScaling()):  # an equal recipe, same group: the same key
+            assert current_scope().state is outer_state
+            other(x)
+        with fp.autocast(recipe=fp.DelayedScaling(amax_compute_algo="most_recent")):  # another key
+            assert current_scope().state is not outer_state
+        lin(x)
+        assert outer_state.forward.metas == [other.fp8.fwd, lin.fp8.fwd]  # one table for both
     torch.testing.assert_close(y_hp, torch.nn.functional.linear(x, lin.weight, lin.bias))
-    from fp8_parallel.scopes import _SCOPE_STACK
-
     assert not _SCOPE_STACK
+    assert (other.fp8.fwd.amax_history[:, 0] > 0).all() and (lin.fp8.fwd.amax_history[:, 0] > 0).all()
 
 
 def test_same_instance_cannot_be_entered_twice():

@@ -1,0 +1,124 @@
+"""FP8 MLP (fc1 -> gelu -> fc2) forward+backward: ours (eager, delayed scaling) vs bf16 eager and torchao
+Float8Linear with torch.compile, with peak memory; and the host overhead of a tiny FP8 Linear."""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import fp8_parallel as fp
+from common import bench_ms, dump, record
+
+
+class _BF16MLP(torch.nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, f, bias=False, dtype=torch.bfloat16, device="cuda")
+        self.fc2 = torch.nn.Linear(f, d, bias=False, dtype=torch.bfloat16, device="cuda")
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _FP8MLP(torch.nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.fc1 = fp.Linear(d, f, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        self.fc2 = fp.Linear(f, d, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        self.recipe = fp.DelayedScaling(amax_history_len=16)
+
+    def forward(self, x):
+        with fp.autocast(recipe=self.recipe):
+            return self.fc2(torch.nn.functional.gelu(self.fc1(x)[0]))[0]
+
+
+def _step(model, x, grad):
+    def run():
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        model(x).backward(grad)
+    return run
+
+
+def _peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def bench_mlp(d: int, f: int, tokens: int) -> None:
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    case = f"D={d} F={f} T={tokens}"
+    bf16 = _BF16MLP(d, f)
+    t_bf16 = bench_ms(_step(bf16, x, grad), iters=20)
+    m_bf16 = _peak_gib(_step(bf16, x, grad))
+    record("mlp", f"{case} bf16 eager", "ms", t_bf16)
+    record("mlp", f"{case} bf16 eager", "peak GiB", m_bf16)
+    ours = _FP8MLP(d, f)
+    with torch.no_grad():
+        ours.fc1.weight.copy_(bf16.fc1.weight)
+        ours.fc2.weight.copy_(bf16.fc2.weight)
+    t_ours = bench_ms(_step(ours, x, grad), iters=20)
+    m_ours = _peak_gib(_step(ours, x, grad))
+    record("mlp", f"{case} fp8_parallel eager", "ms", t_ours, "bf16 eager time", t_bf16 / t_ours)
+    record("mlp", f"{case} fp8_parallel eager", "peak GiB", m_ours, "bf16 peak", m_ours / m_bf16)
+    del ours
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except Exception as e:  # torchao is optional here
+        print(f"torchao not available: {e}")
+        return
+    ao = _BF16MLP(d, f)
+    ao.load_state_dict(bf16.state_dict())
+    convert_to_float8_training(ao)
+    ao_c = torch.compile(ao)
+    t_ao = bench_ms(_step(ao_c, x, grad), warmup=3, iters=20)
+    m_ao = _peak_gib(_step(ao_c, x, grad))
+    record("mlp", f"{case} torchao+compile", "ms", t_ao, "bf16 eager time", t_bf16 / t_ao)
+    record("mlp", f"{case} torchao+compile", "peak GiB", m_ao, "bf16 peak", m_ao / m_bf16)
+    record("mlp", f"{case} fp8_parallel vs torchao", "speedup", t_ao / t_ours, "torchao+compile time", t_ao / t_ours)
+
+
+def _host_ms(fn, iters: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def bench_host_overhead() -> None:
+    """Tiny shapes, so the host (Python + launches) is what costs."""
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = torch.nn.Linear(64, 64, dtype=torch.bfloat16, device="cuda")
+    ours = fp.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+    recipe = fp.DelayedScaling(amax_history_len=16)
+
+    def bf16_step():
+        ref(x).sum().backward()
+
+    def fp8_step():
+        with fp.autocast(recipe=recipe):
+            y = ours(x)[0]
+        y.sum().backward()
+
+    t_ref, t_ours = _host_ms(bf16_step), _host_ms(fp8_step)
+    record("host", "Linear 32x64x64 bf16 fwd+bwd", "ms", t_ref)
+    record("host", "Linear 32x64x64 fp8 fwd+bwd+scope", "ms", t_ours, "bf16 host time", t_ours / t_ref)
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl"
+    bench_host_overhead()
+    bench_mlp(4096, 14336, 16384)
+    bench_mlp(8192, 28672, 8192)
+    dump(out)

@@ -7,14 +7,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-out=${1:-bench_results.jsonl}
+out=$(realpath -m "${1:-bench_results.jsonl}")
 rm -f "$out"
 status=0
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
-timeout 900 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25 || status=1
+timeout 900 python3 -m pytest -q -rA -m gpu tests -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|relative error" || status=1
 for b in benchmarks/bench_*.py; do
   echo "== $b"
-  (cd benchmarks && timeout 600 python3 "$(basename "$b")" "../$out") || status=1
+  (cd benchmarks && timeout 600 python3 "$(basename "$b")" "$out") || status=1
 done
 python3 - "$out" <<'PY'
 import json, sys

@@ -136,7 +136,9 @@ class Float8Tensor(torch.Tensor):
         return tc.buffer is not None and tc.version == self._data_version()
 
     def _data_version(self) -> tuple:
-        return (self._transpose_cache.writes, self._data._version)
+        data = self._data
+        # inference tensors keep no version counter: only writes through this class are seen there
+        return (self._transpose_cache.writes, -1 if data.is_inference() else data._version)
 
     def _write_data(self, fp8: torch.Tensor) -> None:
         """The one way this class writes its data in place; marks the cached transpose stale."""

@@ -93,29 +93,31 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     return _Plan(recipe, scale, slots, key, counts)
 
 
-def _cast(x, recipe, scale, slot, fp8_dtype, out=None):
+def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False):
     if isinstance(recipe, CurrentScaling):
         from ..recipe import fp8_max
 
         scale = current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), recipe.eps).reshape(1)
-    return quantize(x, scale, fp8_dtype, amax_out=slot, out=out)
+    return quantize(x, scale, fp8_dtype, amax_out=slot, out=out, with_transpose=with_transpose)
 
 
 def cast_weight(
-    weight: torch.Tensor, state: FP8State, plan: _Plan, is_first_microbatch: Optional[bool]
+    weight: torch.Tensor, state: FP8State, plan: _Plan, is_first_microbatch: Optional[bool],
+    with_transpose: bool = True,
 ) -> Float8Tensor:
-    """The FP8 weight: cast now, or the cached cast (`is_first_microbatch` False) with its own scale_inv."""
+    """The FP8 weight (with its transpose, for dgrad): cast now, or the cached cast (`is_first_microbatch`
+    False) with the scale_inv it was cast with. The cache holds data + transpose (2 bytes per parameter)."""
     fmt = plan.recipe.fp8_format
     slot = plan.forward_slots[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_slots is not None else None
     scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_scale is not None else None
     if isinstance(weight, Float8Tensor):  # an FP8 parameter
         return weight
     if is_first_microbatch is None:
-        return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype)
+        return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=with_transpose)
     cached = state.weight_fp8
     if is_first_microbatch or cached is None or cached.shape != weight.shape:
         reuse = cached if cached is not None and cached.shape == weight.shape else None
-        state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, out=reuse)
+        state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, out=reuse, with_transpose=True)
     elif slot is not None:  # reused cast: its amax still counts for this scope
         torch.maximum(slot, weight.detach().abs().amax().float().reshape(1), out=slot)
     return state.weight_fp8
@@ -128,36 +130,41 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
         scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
-        qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype)
+        fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
+        # one fused pass writes the FP8 input and its transpose; only the transpose (1 byte/element) is kept
+        # for the wgrad GEMM, the row-major copy is freed after fprop
+        qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
-        # saved for backward: the FP8 input (1 byte/element, reused by the wgrad GEMM), unless wgrad runs in
-        # high precision (megatron's fp8_wgrad=False), which needs the high-precision input
         ctx.wgrad_in_fp8 = wgrad_in_fp8
-        hp_x = x2.detach() if not wgrad_in_fp8 else None
-        ctx.save_for_backward(qx._data, qx._scale_inv, qweight._data, qweight._scale_inv, hp_x)
+        qx_t = qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None
+        hp_x = x2.detach() if not wgrad_in_fp8 and weight.requires_grad else None  # megatron's fp8_wgrad=False
+        qw_t = qweight.transpose_2d()._data if x.requires_grad else None  # dgrad operand
+        ctx.save_for_backward(qx_t, qx._scale_inv, qw_t, qweight._scale_inv, hp_x)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        ctx.state, ctx.plan, ctx.qweight = state, plan, qweight
+        ctx.state, ctx.plan = state, plan
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_data, qx_sinv, qw_data, qw_sinv, hp_x = ctx.saved_tensors
-        qx = Float8Tensor(qx_data, qx_sinv, ctx.x_dtype)
-        qw = ctx.qweight if ctx.qweight._data is qw_data else Float8Tensor(qw_data, qw_sinv, ctx.w_dtype)
+        qx_t, qx_sinv, qw_t, qw_sinv, hp_x = ctx.saved_tensors
         state, plan = ctx.state, ctx.plan
         fmt = plan.recipe.fp8_format
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         key = plan.key_state
         delayed = not isinstance(plan.recipe, CurrentScaling)
         slot = key.backward.slots(state.bwd) if (delayed and key is not None) else None
-        qg = _cast(g2, plan.recipe, state.bwd.scale if delayed else None, slot, fmt.backward_dtype)
+        fp8_wgrad = ctx.wgrad_in_fp8 and ctx.needs_input_grad[1]
+        qg = _cast(g2, plan.recipe, state.bwd.scale if delayed else None, slot, fmt.backward_dtype,
+                   with_transpose=fp8_wgrad)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_gemm(qg, qw.transpose_2d(), out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            qw_transposed = Float8Tensor(qw_t, qw_sinv, ctx.w_dtype)
+            grad_x = fp8_gemm(qg, qw_transposed, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            if ctx.wgrad_in_fp8:
-                grad_w = fp8_gemm(qg.transpose_2d(cache=False), qx.transpose_2d(cache=False), out_dtype=ctx.w_dtype)
+            if fp8_wgrad:
+                qx_transposed = Float8Tensor(qx_t, qx_sinv, ctx.x_dtype)
+                grad_w = fp8_gemm(qg.transpose_2d(update_cache=False), qx_transposed, out_dtype=ctx.w_dtype)
             else:
                 grad_w = (g2.t().float() @ hp_x.float()).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -184,5 +191,6 @@ def fp8_linear(
     if plan is None:
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    qweight = cast_weight(weight, state, plan, is_first_microbatch)
+    needs_dgrad = torch.is_grad_enabled() and x.requires_grad
+    qweight = cast_weight(weight, state, plan, is_first_microbatch, with_transpose=needs_dgrad)
     return _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8)

@@ -141,9 +141,9 @@ def check_weight_caching():
 
     original = core._cast
 
-    def counting_cast(x, recipe, scale, slot, dtype, out=None):
+    def counting_cast(x, recipe, scale, slot, dtype, out=None, with_transpose=False):
         casts.append(tuple(x.shape))
-        return original(x, recipe, scale, slot, dtype, out)
+        return original(x, recipe, scale, slot, dtype, out, with_transpose)
 
     core._cast = counting_cast
     try:

@@ -61,7 +61,8 @@ class AmaxTable:
     def __init__(self, direction: str, device: torch.device, capacity: int = 64):
         self.direction = direction
         self.device = device
-        self._buffer = torch.zeros(HEADER + capacity, device=device)
+        self._capacity = capacity
+        self._buffer: Optional[torch.Tensor] = None  # allocated on the first registration
         self._used = 0
         self._entries: Dict[int, Tuple[FP8Meta, int]] = {}
         self._order: List[FP8Meta] = []
@@ -79,6 +80,8 @@ class AmaxTable:
         entry = self._entries.get(id(meta))
         if entry is None:
             n = meta.num_tensors
+            if self._buffer is None:
+                self._buffer = torch.zeros(HEADER + max(self._capacity, n), device=self.device)
             if HEADER + self._used + n > self._buffer.numel():
                 grown = torch.zeros(HEADER + max(2 * (self._buffer.numel() - HEADER), self._used + n), device=self.device)
                 grown[: HEADER + self._used].copy_(self._buffer[: HEADER + self._used])

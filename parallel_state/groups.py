@@ -216,20 +216,3 @@ def expert_amax_group(etp_only: bool = False) -> dist.ProcessGroup:
     extras = _require()
     return get_group("etp") if etp_only else extras.expert_amax_group
 
-
-__all__ = [
-    "DIMENSIONS",
-    "ParallelLayoutError",
-    "ParallelSizes",
-    "default_backend",
-    "dense_amax_group",
-    "destroy",
-    "expert_amax_group",
-    "get_group",
-    "get_rank",
-    "get_ranks",
-    "get_size",
-    "initialize",
-    "is_initialized",
-    "sizes",
-]

@@ -89,11 +89,25 @@ def is_bf16_layer(config, layer_no: int) -> bool:
 
 
 def fp8_context(config, layer_no: int = -1, is_expert: bool = False) -> autocast:
-    """The autocast scope for a block (`layer_no=-1`), one layer, or MoE experts, from `config`."""
+    """The autocast scope for a block (`layer_no=-1`), one layer, or MoE experts, from `config`.
+    (Experts inside an enabled scope use `expert_scope()`, which follows that scope's recipe.)"""
     recipe = recipe_from_config(config)
     if recipe is None or is_bf16_layer(config, layer_no):
         return autocast(enabled=False)
     return autocast(recipe=recipe, group=_expert_group() if is_expert else _dense_group(config))
+
+
+def expert_scope():
+    """A scope for MoE experts: the enclosing scope's recipe, over the expert amax domain (a no-op outside an
+    enabled scope)."""
+    import contextlib
+
+    from .scopes import current_scope
+
+    scope = current_scope()
+    if scope is None or not scope.enabled:
+        return contextlib.nullcontext()
+    return autocast(recipe=scope.recipe, group=_expert_group())
 
 
 class FP8TransformerLayer(TransformerLayer):
@@ -108,12 +122,7 @@ class FP8SequentialMLP(SequentialMLP):
     """megatron's SequentialMLP experts (our FP8 linears), inside a scope over the expert amax domain."""
 
     def forward(self, *args, **kwargs):
-        from .scopes import current_scope
-
-        scope = current_scope()
-        if scope is None or not scope.enabled:
-            return super().forward(*args, **kwargs)
-        with fp8_context(self.config, is_expert=True):
+        with expert_scope():
             return super().forward(*args, **kwargs)
 
 
@@ -125,11 +134,9 @@ def get_gpt_layer_spec(
 ) -> ModuleSpec:
     """A `TransformerLayer` spec with this package's FP8 modules (QKV and fc1 with the norm fused in front).
 
-    Set `config.normalization` to the same value. `moe_grouped_gemm=True` is not implemented yet (the
-    experts run as megatron's SequentialMLP of FP8 linears).
+    Set `config.normalization` to the same value. MoE experts: `moe_grouped_gemm=True` gives
+    `FP8GroupedMLP` (one grouped linear per projection), False megatron's SequentialMLP of FP8 linears.
     """
-    if moe_grouped_gemm:
-        raise NotImplementedError("moe_grouped_gemm=True: a grouped FP8 expert linear is not implemented yet")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization={normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
     attention = ModuleSpec(
@@ -148,8 +155,13 @@ def get_gpt_layer_spec(
             linear_fc1=LayerNormColumnParallelLinear, linear_fc2=RowParallelLinear))
         pre_mlp_norm = IdentityOp
     else:
-        experts = ModuleSpec(module=FP8SequentialMLP, submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+        if moe_grouped_gemm:
+            from .modules.grouped import FP8GroupedMLP
+
+            experts = ModuleSpec(module=FP8GroupedMLP)
+        else:
+            experts = ModuleSpec(module=FP8SequentialMLP, submodules=MLPSubmodules(
+                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
         mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=None))
         pre_mlp_norm = Norm
     return ModuleSpec(

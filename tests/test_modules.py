@@ -13,7 +13,12 @@ def test_tp2_modules_match_single_rank_cache_and_state_dict():
 
 def test_megatron_gpt_dense_and_moe_fp8_under_megatron_schedule():
     launch("module_checks.py", 8, ["gpt"], timeout=500, expect_checks=[
-        "gpt_dense_tp2_pp2_fp8", "gpt_moe_tp2_pp2_ep2_fp8"])
+        "gpt_dense_tp2_pp2_fp8", "gpt_moe_tp2_pp2_ep2_fp8", "gpt_moe_grouped_tp2_pp2_ep2_fp8"])
+
+
+def test_ep2_moe_matches_unsharded_experts():
+    launch("module_checks.py", 4, ["ep"], timeout=300, expect_checks=[
+        "ep2_moe_sequential_matches_unsharded", "ep2_moe_grouped_matches_unsharded"])
 
 
 def _config(**kw):
@@ -54,10 +59,11 @@ def test_fp8_wgrad_false_computes_wgrad_in_high_precision():
     torch.testing.assert_close(w.grad, g.t() @ x, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_layer_spec_refuses_unimplemented_options():
+def test_gpt_layer_spec_options():
     from fp8_parallel.megatron import get_gpt_layer_spec
 
-    with pytest.raises(NotImplementedError, match="moe_grouped_gemm"):
-        get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True)
+    from fp8_parallel.modules.grouped import FP8GroupedMLP
+
+    assert get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True).submodules.mlp.submodules.experts.module is FP8GroupedMLP
     with pytest.raises(ValueError, match="normalization='BatchNorm'"):
         get_gpt_layer_spec(normalization="BatchNorm")

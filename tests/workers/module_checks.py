@@ -218,7 +218,7 @@ def _gpt_checks():
     from fp8_parallel.megatron import fp8_context, get_gpt_block_spec
     from fp8_parallel.modules import FP8State
 
-    def run(moe: bool):
+    def run(moe: bool, grouped: bool = False):
         extra = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
                      moe_ffn_hidden_size=64, add_bias_linear=False) if moe else {}
         with ps.cpu_compat():
@@ -232,7 +232,7 @@ def _gpt_checks():
             )
             cfg.fp8 = "hybrid"  # megatron 0.16 refuses fp8 + MoE in __post_init__ without TransformerEngine
             model = GPTModel(
-                config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, num_experts=4 if moe else None),
+                config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, num_experts=4 if moe else None, moe_grouped_gemm=grouped),
                 vocab_size=128, max_sequence_length=32,
                 pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             )
@@ -288,8 +288,112 @@ def _gpt_checks():
         states = run(True)
         assert any(".experts." in n for n, _ in states)
 
-    return [("gpt_dense_tp2_pp2_fp8", dense), ("gpt_moe_tp2_pp2_ep2_fp8", moe)]
+    def moe_grouped():
+        states = run(True, grouped=True)
+        assert any(".experts.linear_fc1.fp8." in n for n, _ in states)
 
+    return [("gpt_dense_tp2_pp2_fp8", dense), ("gpt_moe_tp2_pp2_ep2_fp8", moe),
+            ("gpt_moe_grouped_tp2_pp2_ep2_fp8", moe_grouped)]
+
+
+def _expert_linear(layer, i: int, name: str):
+    """(weight, FP8State) of local expert `i`'s `name` projection, for either experts module."""
+    experts = layer.experts
+    if hasattr(experts, "local_experts"):  # megatron SequentialMLP of FP8 linears
+        lin = getattr(experts.local_experts[i], name)
+        return lin.weight, lin.fp8
+    grouped = getattr(experts, name)  # FP8GroupedMLP
+    return getattr(grouped, f"weight{i}"), grouped.fp8[i]
+
+
+def check_ep2_moe_matches_unsharded_experts(grouped: bool):
+  def check():
+      """MoE layer with EP=2 (4 ranks: expert-DP 2) vs all experts computed locally with the same weights and
+      scales: outputs, input grads, expert weight grads (summed over the expert's EP group), and expert amaxes
+      reduced over the expert domain only."""
+      from megatron.core import parallel_state as mpu
+      from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+      from megatron.core.transformer.moe.moe_layer import MoELayer
+      from megatron.core.transformer.transformer_config import TransformerConfig
+      from fp8_parallel.megatron import get_gpt_layer_spec
+
+      n_exp, hidden, ffn = 4, 32, 64
+      with ps.cpu_compat():
+          model_parallel_cuda_manual_seed(7)
+          cfg = TransformerConfig(
+              num_layers=1, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=True,
+              expert_model_parallel_size=2, num_moe_experts=n_exp, moe_router_topk=2, moe_ffn_hidden_size=ffn,
+              moe_token_dispatcher_type="alltoall", add_bias_linear=False, params_dtype=torch.float32,
+          )
+          spec = get_gpt_layer_spec(num_experts=n_exp, moe_grouped_gemm=grouped).submodules.mlp
+          layer = MoELayer(cfg, submodules=spec.submodules, layer_number=1)
+      local = [i for i in range(2)]  # local expert indices
+      ep_rank, ep_group = ps.get_rank("ep"), ps.get_group("ep")
+      # every expert's weights, gathered from the EP rank that holds it
+      full = {}
+      for name in ("linear_fc1", "linear_fc2"):
+          mine = torch.stack([_expert_linear(layer, i, name)[0].detach() for i in local])
+          parts = [torch.empty_like(mine) for _ in range(2)]
+          dist.all_gather(parts, mine, group=ep_group)
+          full[name] = torch.cat(parts)  # [n_exp, out, in], global expert order
+      refs = []
+      for e in range(n_exp):
+          l1, l2 = fp.Linear(hidden, ffn, bias=False), fp.Linear(ffn, hidden, bias=False)
+          with torch.no_grad():
+              l1.weight.copy_(full["linear_fc1"][e])
+              l2.weight.copy_(full["linear_fc2"][e])
+          refs.append((l1, l2))
+      gen = torch.Generator().manual_seed(11)  # identical scales for expert e on both sides
+      for e in range(n_exp):
+          s = (torch.rand(2, generator=gen) * 10 + 5, torch.rand(1, generator=gen) * 1000 + 500,
+               torch.rand(2, generator=gen) * 10 + 5, torch.rand(1, generator=gen) * 1000 + 500)
+          sides = [(refs[e][0].fp8, refs[e][1].fp8)]
+          if e // 2 == ep_rank:
+              sides.append(tuple(_expert_linear(layer, e - 2 * ep_rank, n)[1] for n in ("linear_fc1", "linear_fc2")))
+          for fc1, fc2 in sides:
+              fc1.fwd.scale.copy_(s[0]); fc1.bwd.scale.copy_(s[1])
+              fc2.fwd.scale.copy_(s[2]); fc2.bwd.scale.copy_(s[3])
+      x = torch.randn(8, 2, hidden, generator=torch.Generator().manual_seed(test_seed() + dist.get_rank()))
+      recipe = fp.DelayedScaling(amax_history_len=4)
+      xl = x.clone().requires_grad_()
+      with ps.cpu_compat():
+          with fp.autocast(recipe=recipe, group=ps.dense_amax_group()):
+              out, _ = layer(xl)
+          out.float().pow(2).sum().backward()
+          xr = x.reshape(-1, hidden).clone().requires_grad_()
+          probs, routing_map = layer.router(xr)  # the same router, so its gradient path is in the reference
+      ref_out = torch.zeros_like(xr)
+      with fp.autocast(recipe=recipe, group=None):
+          for e, (l1, l2) in enumerate(refs):
+              rows = routing_map[:, e].nonzero().squeeze(1)
+              if rows.numel():
+                  # megatron's experts scale the activation by the routing prob before fc2
+                  h = cfg.activation_func(l1(xr[rows])[0]) * probs[rows, e : e + 1]
+                  ref_out = ref_out.index_add(0, rows, l2(h)[0])
+      with ps.cpu_compat():  # the router's backward is megatron code too
+          ref_out.float().pow(2).sum().backward()
+      _assert_rel(out.reshape(-1, hidden).detach(), ref_out.detach(), 1e-4, "MoE output")
+      _assert_rel(xl.grad.reshape(-1, hidden), xr.grad, 1e-3, "MoE input grad")
+      for e in range(n_exp):  # every rank takes part in every collective
+          for j, name in enumerate(("linear_fc1", "linear_fc2")):
+              ref_lin = refs[e][j]
+              # the expert's weight grad sums the tokens of its EP group's ranks
+              g = ref_lin.weight.grad if ref_lin.weight.grad is not None else torch.zeros_like(ref_lin.weight)
+              dist.all_reduce(g, group=ep_group)
+              # its amaxes: max over every rank that routed tokens to it (EP group x expert domain)
+              ref_amax = ref_lin.fp8.fwd.amax_history[:, 0].clone()
+              dist.all_reduce(ref_amax, op=dist.ReduceOp.MAX)
+              if e // 2 == ep_rank:
+                  weight, state = _expert_linear(layer, e - 2 * ep_rank, name)
+                  _assert_rel(weight.grad, g, 1e-3, f"expert {e} {name} weight grad")
+                  assert torch.equal(state.fwd.amax_history[:, 0], ref_amax), (name, e)
+      # expert state is identical across the expert domain and differs across EP ranks (other experts)
+      st = _expert_linear(layer, 0, "linear_fc1")[1].fwd.amax_history.clone()
+      parts = [torch.empty_like(st) for _ in range(dist.get_world_size(ps.expert_amax_group()))]
+      dist.all_gather(parts, st, group=ps.expert_amax_group())
+      assert all(torch.equal(p, st) for p in parts)
+
+  return check
 
 if MODE == "mlp":
     ps.initialize(tp=2)
@@ -299,6 +403,10 @@ if MODE == "mlp":
         ("weight_caching", check_weight_caching),
         ("state_dict_tp2_to_tp1", check_state_dict_round_trip_and_tp2_to_tp1),
     ]
+elif MODE == "ep":
+    ps.initialize(ep=2)
+    checks = [("ep2_moe_sequential_matches_unsharded", check_ep2_moe_matches_unsharded_experts(False)),
+              ("ep2_moe_grouped_matches_unsharded", check_ep2_moe_matches_unsharded_experts(True))]
 else:
     ps.initialize(tp=2, pp=2, ep=2)
     checks = _gpt_checks()

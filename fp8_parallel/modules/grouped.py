@@ -1,0 +1,104 @@
+"""Grouped FP8 expert linears and `FP8GroupedMLP`, usable as megatron's MoE `experts` submodule.
+
+`GroupedLinear` holds one weight (and one FP8 state) per local expert and applies expert `i` to the i-th
+block of rows of its input (`m_splits`, the token counts the dispatcher produced). Each expert keeps its own
+amaxes and scales: experts see different tokens. As megatron's expert layers ("explicit expert
+communication"), these layers communicate nothing themselves: the token dispatcher gathers and combines.
+With expert-TP, fc1 is split along its output and fc2 along its input.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from ._core import FP8State, fp8_linear
+
+
+class GroupedLinear(torch.nn.Module):
+    """`num_gemms` FP8 linears over consecutive row blocks of one input.
+
+    Args:
+        num_gemms: local experts.
+        input_size, output_size: full (unpartitioned) sizes of one expert's linear.
+        partition: "column" (split the output over expert-TP) or "row" (split the input).
+        config: megatron TransformerConfig (params dtype, fp8_wgrad, init).
+        init_method: weight initialisation, drawn from megatron's expert-parallel RNG stream.
+        bias: one bias per expert.
+    """
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, partition: str, config,
+                 init_method, bias: bool = False, etp_size: int = 1):
+        super().__init__()
+        if partition not in ("column", "row"):
+            raise ValueError(f"partition={partition!r}: expected 'column' or 'row'")
+        self.num_gemms = num_gemms
+        self.config = config
+        out_p = output_size // etp_size if partition == "column" else output_size
+        in_p = input_size // etp_size if partition == "row" else input_size
+        device = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        for i in range(num_gemms):
+            w = torch.nn.Parameter(torch.empty(out_p, in_p, dtype=config.params_dtype, device=device))
+            if config.perform_initialization:
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                    init_method(w)
+            setattr(w, "allreduce", False)  # expert weights: reduced over expert-DP, not DP
+            self.register_parameter(f"weight{i}", w)
+            b = torch.nn.Parameter(torch.zeros(out_p, dtype=config.params_dtype, device=device)) if bias else None
+            if b is not None:
+                setattr(b, "allreduce", False)
+            self.register_parameter(f"bias{i}", b)
+        # one FP8 state per expert GEMM; tags name the local index, identical on the expert's DP replicas
+        self.fp8 = torch.nn.ModuleList(
+            FP8State(f"GroupedLinear[{i}]({input_size},{output_size})", device=device) for i in range(num_gemms)
+        )
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+        if len(m_splits) != self.num_gemms:
+            raise ValueError(f"GroupedLinear: {len(m_splits)} splits for {self.num_gemms} GEMMs")
+        outs: List[torch.Tensor] = []
+        wgrad_in_fp8 = getattr(self.config, "fp8_wgrad", True)
+        for i, chunk in enumerate(torch.split(x, list(m_splits), dim=0)):
+            weight, bias = getattr(self, f"weight{i}"), getattr(self, f"bias{i}")
+            if chunk.shape[0] == 0:  # an expert without tokens: registers nothing, keeps its history
+                outs.append(chunk.new_zeros((0, weight.shape[0])))
+                continue
+            outs.append(fp8_linear(chunk, weight, bias, self.fp8[i], None, wgrad_in_fp8))
+        return torch.cat(outs, dim=0)
+
+
+class FP8GroupedMLP(MegatronModule):
+    """MoE experts as two `GroupedLinear`s (megatron's experts interface), inside the expert amax scope."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+        super().__init__(config=config)
+        self.num_local_experts = num_local_experts
+        etp = pg_collection.expt_tp.size() if pg_collection is not None else 1
+        ffn = config.moe_ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+        self.linear_fc1 = GroupedLinear(num_local_experts, config.hidden_size, ffn, partition="column",
+                                        config=config, init_method=config.init_method,
+                                        bias=config.add_bias_linear, etp_size=etp)
+        self.linear_fc2 = GroupedLinear(num_local_experts, config.moe_ffn_hidden_size, config.hidden_size,
+                                        partition="row", config=config, init_method=config.output_layer_init_method,
+                                        bias=False, etp_size=etp)
+        self.activation_func = config.activation_func
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from ..megatron import expert_scope
+
+        splits = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        with expert_scope():
+            h = self.linear_fc1(permuted_local_hidden_states, splits)
+            if self.config.gated_linear_unit:
+                a, b = torch.chunk(h, 2, dim=-1)
+                h = self.activation_func(a) * b
+            else:
+                h = self.activation_func(h)
+            h = (h * permuted_probs.unsqueeze(-1)).to(h.dtype)
+            out = self.linear_fc2(h, splits)
+        return out, None
+

@@ -16,6 +16,11 @@ from ..scaling import current_scale
 from ..tensor import Float8Tensor
 from ._recompute import RecomputeQueue, Snapshot, in_backward, recompute_will_follow
 
+
+def history_len_of(config) -> Optional[int]:
+    """megatron's `fp8_amax_history_len`, when a config carries one."""
+    return getattr(config, "fp8_amax_history_len", None)
+
 FWD_INPUT, FWD_WEIGHT = 0, 1
 BWD_GRAD_OUTPUT = 0
 
@@ -40,10 +45,16 @@ class FP8State(torch.nn.Module):
     All shapes are independent of the parallel layout, so the state loads across TP sizes.
     """
 
-    def __init__(self, tag: str, device: Optional[torch.device] = None):
+    def __init__(self, tag: str, device: Optional[torch.device] = None, history_len: Optional[int] = None):
         super().__init__()
-        self.fwd = FP8Meta(2, f"{tag}/fwd", device=device)
-        self.bwd = FP8Meta(1, f"{tag}/bwd", device=device)
+        # sized up front, so a fresh module's state dict has the shapes of a trained one (checkpoint loading);
+        # a recipe with another length resizes it on first use
+        if history_len is None:
+            from ..recipe import DelayedScaling
+
+            history_len = DelayedScaling().amax_history_len
+        self.fwd = FP8Meta(2, f"{tag}/fwd", history_len=history_len, device=device)
+        self.bwd = FP8Meta(1, f"{tag}/bwd", history_len=history_len, device=device)
         self.register_buffer("recipe", torch.zeros(6, dtype=torch.int64, device=device))
         self.recompute = RecomputeQueue()
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from ._core import FP8State, fp8_linear
+from ._core import FP8State, fp8_linear, history_len_of
 
 
 class GroupedLinear(torch.nn.Module):
@@ -53,7 +53,9 @@ class GroupedLinear(torch.nn.Module):
             self.register_parameter(f"bias{i}", b)
         # one FP8 state per expert GEMM; tags name the local index, identical on the expert's DP replicas
         self.fp8 = torch.nn.ModuleList(
-            FP8State(f"GroupedLinear[{i}]({input_size},{output_size})", device=device) for i in range(num_gemms)
+            FP8State(f"GroupedLinear[{i}]({input_size},{output_size})", device=device,
+                     history_len=history_len_of(config))
+            for i in range(num_gemms)
         )
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:

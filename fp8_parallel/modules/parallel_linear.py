@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from ._core import FP8State, fp8_linear
+from ._core import FP8State, fp8_linear, history_len_of
 
 
 def _wgrad_in_fp8(config) -> bool:
@@ -30,7 +30,8 @@ class ColumnParallelLinear(mtp.ColumnParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         device = None if self.weight is None else self.weight.device
-        self.fp8 = FP8State(f"ColumnParallelLinear({input_size},{output_size})", device=device)
+        self.fp8 = FP8State(f"ColumnParallelLinear({input_size},{output_size})", device=device,
+                            history_len=history_len_of(config))
         self.is_first_microbatch: Optional[bool] = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None, is_first_microbatch: Optional[bool] = None):
@@ -50,7 +51,8 @@ class RowParallelLinear(mtp.RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
-        self.fp8 = FP8State(f"RowParallelLinear({input_size},{output_size})", device=self.weight.device)
+        self.fp8 = FP8State(f"RowParallelLinear({input_size},{output_size})", device=self.weight.device,
+                            history_len=history_len_of(config))
         self.is_first_microbatch: Optional[bool] = None
 
     def forward(self, input_, is_first_microbatch: Optional[bool] = None):

@@ -14,7 +14,6 @@ import fp8_parallel as fp
 import parallel_state as ps
 from rank_checks import run_checks, test_seed
 
-MODE = sys.argv[1]
 D, F, TOKENS = 64, 128, 32
 
 
@@ -209,6 +208,36 @@ def check_state_dict_round_trip_and_tp2_to_tp1():
     torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
 
 
+def _dist_checkpoint_round_trip(model, build):
+    """megatron's dist_checkpointing saves the FP8 state with the model (replicated over TP and DP) and a
+    fresh model loads it back exactly."""
+    import os
+    import shutil
+
+    from megatron.core import dist_checkpointing
+
+    path = f"/tmp/fp8p-ckpt-{test_seed()}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    dist.barrier()
+    with ps.cpu_compat():
+        dist_checkpointing.save(model.sharded_state_dict(), path)
+        fresh = build()
+        assert not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+                       if isinstance(a, torch.Tensor))
+        fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), path))
+    theirs = fresh.state_dict()
+    fp8_keys = [k for k in model.state_dict() if ".fp8." in k]
+    assert fp8_keys, "no FP8 state in the state dict"
+    for k, v in model.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, theirs[k]), k
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _gpt_checks():
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
@@ -270,6 +299,10 @@ def _gpt_checks():
                     losses.append(sum(d["loss"].item() for d in out) / 4)
         if mpu.is_pipeline_last_stage():
             assert losses[-1] < 0.9 * losses[0], losses
+        if not moe:
+            _dist_checkpoint_round_trip(model, lambda: GPTModel(
+                config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg), vocab_size=128, max_sequence_length=32,
+                pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage()))
         states = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8State)]
         assert states and all((m.fwd.amax_history[:, 0] > 0).all() for _, m in states)
         for name, m in states:
@@ -395,20 +428,22 @@ def check_ep2_moe_matches_unsharded_experts(grouped: bool):
 
   return check
 
-if MODE == "mlp":
-    ps.initialize(tp=2)
-    checks = [
-        ("tp2_matches_single_rank", check_tp_matches_single_rank(False)),
-        ("tp2_sp_matches_single_rank", check_tp_matches_single_rank(True)),
-        ("weight_caching", check_weight_caching),
-        ("state_dict_tp2_to_tp1", check_state_dict_round_trip_and_tp2_to_tp1),
-    ]
-elif MODE == "ep":
-    ps.initialize(ep=2)
-    checks = [("ep2_moe_sequential_matches_unsharded", check_ep2_moe_matches_unsharded_experts(False)),
-              ("ep2_moe_grouped_matches_unsharded", check_ep2_moe_matches_unsharded_experts(True))]
-else:
-    ps.initialize(tp=2, pp=2, ep=2)
-    checks = _gpt_checks()
-run_checks(checks)
-ps.destroy()
+if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that import this module
+    MODE = sys.argv[1]
+    if MODE == "mlp":
+        ps.initialize(tp=2)
+        checks = [
+            ("tp2_matches_single_rank", check_tp_matches_single_rank(False)),
+            ("tp2_sp_matches_single_rank", check_tp_matches_single_rank(True)),
+            ("weight_caching", check_weight_caching),
+            ("state_dict_tp2_to_tp1", check_state_dict_round_trip_and_tp2_to_tp1),
+        ]
+    elif MODE == "ep":
+        ps.initialize(ep=2)
+        checks = [("ep2_moe_sequential_matches_unsharded", check_ep2_moe_matches_unsharded_experts(False)),
+                  ("ep2_moe_grouped_matches_unsharded", check_ep2_moe_matches_unsharded_experts(True))]
+    else:
+        ps.initialize(tp=2, pp=2, ep=2)
+        checks = _gpt_checks()
+    run_checks(checks)
+    ps.destroy()

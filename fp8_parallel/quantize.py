@@ -112,3 +112,22 @@ def _quantize_torch(
         amax = torch.nan_to_num(amax, nan=_INF, posinf=_INF)
         new = torch.maximum(amax_out.reshape(()), amax)
         amax_out.copy_(_keep_where(noop_flag, amax_out.reshape(()), new).reshape(amax_out.shape))
+
+
+def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, force_torch: bool = False) -> Float8Tensor:
+    """The FP8 cast of `x.T` (`x` viewed as `[M, K]`, result `[K, M]`), in one pass that writes only the
+    transpose (e.g. a weight's dgrad operand, re-cast in backward instead of held since forward)."""
+    if scale.numel() != 1:
+        raise ValueError(f"quantize_transposed: scale must have one element, got shape {tuple(scale.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    t = Float8Tensor(torch.empty((x2.shape[1], x2.shape[0]), dtype=fp8_dtype, device=x.device),
+                     torch.empty((), dtype=torch.float32, device=x.device), x.dtype)
+    if not force_torch and _use_triton(x) and x.numel() > 0:
+        from .triton_kernels import quantize_2d
+
+        holder = Float8Tensor(t._data, t._scale_inv, x.dtype)  # provides scale_inv; no row-major data
+        quantize_2d(x2, scale, holder, t, None, None, with_data=False)
+    else:
+        t._data.copy_(cast_to_fp8(x2.detach(), scale.reshape(()).float(), fp8_dtype).t())
+        t._scale_inv.copy_(scale.reshape(()).float().reciprocal())
+    return t

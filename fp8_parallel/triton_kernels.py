@@ -23,6 +23,7 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         M, N, stride_xm, fp8_max,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         WITH_T: tl.constexpr, WITH_AMAX: tl.constexpr, WITH_NOOP: tl.constexpr,
+        WITH_DATA: tl.constexpr = True,
     ):
         if WITH_NOOP:
             if tl.load(noop_ptr) != 0:
@@ -35,8 +36,9 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr)
         y = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-        y8 = y.to(data_ptr.dtype.element_ty)
-        tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
+        y8 = y.to(t_ptr.dtype.element_ty)
+        if WITH_DATA:
+            tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
         if WITH_T:  # store the transposed tile with M contiguous, so the writes coalesce
             tl.store(t_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y8), mask=tl.trans(mask))
         if WITH_AMAX:
@@ -54,8 +56,10 @@ def quantize_2d(
     transpose,
     amax_out: Optional[torch.Tensor],
     noop_flag: Optional[torch.Tensor],
+    with_data: bool = True,
 ) -> None:
-    """Fused cast of `x` (viewed as `[M, N]`) into `out` (and `transpose`), amax into `amax_out`."""
+    """Fused cast of `x` (viewed as `[M, N]`) into `out` (and `transpose`), amax into `amax_out`.
+    `with_data=False` writes the transpose only (`out` then only provides `scale_inv`)."""
     from .recipe import fp8_max
 
     x2 = x.detach().reshape(-1, x.shape[-1])
@@ -66,13 +70,13 @@ def quantize_2d(
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     dummy = out._scale_inv
     _quantize_kernel[grid](
-        x2, out._data, transpose._data if transpose is not None else out._data,
+        x2, out._data if with_data else transpose._data, transpose._data if transpose is not None else out._data,
         scale, out._scale_inv, amax_out if amax_out is not None else dummy,
         noop_flag if noop_flag is not None else dummy,
         M, N, x2.stride(0), fp8_max(out._data.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n,
         WITH_T=transpose is not None, WITH_AMAX=amax_out is not None, WITH_NOOP=noop_flag is not None,
-        num_warps=4 if transpose is not None else 8,
+        WITH_DATA=with_data, num_warps=4 if transpose is not None else 8,
     )
 
 

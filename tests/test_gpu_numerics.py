@@ -76,3 +76,15 @@ def test_quantize_and_gemm_capture_in_cuda_graph():
     assert torch.equal(out._data.view(torch.uint8), ref._data.view(torch.uint8))
     torch.testing.assert_close(y.float(), fp8_gemm(ref, w, torch.bfloat16).float())
     assert slot.item() == x.float().abs().max().item()
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 776)])
+def test_transpose_only_cast_equals_cast_transpose(shape):
+    from fp8_parallel.quantize import quantize_transposed
+
+    x = torch.randn(shape, device="cuda", generator=_gen(), dtype=torch.bfloat16)
+    scale = torch.full((1,), 17.0, device="cuda")
+    a = quantize(x, scale, E4M3, with_transpose=True)
+    b = quantize_transposed(x, scale, E4M3)
+    assert torch.equal(a.transpose_2d(update_cache=False)._data.view(torch.uint8), b._data.view(torch.uint8))
+    assert torch.equal(a._scale_inv, b._scale_inv)

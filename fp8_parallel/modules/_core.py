@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..scopes import current_scope
 from ..gemm import fp8_gemm
 from ..meta import FP8Meta
-from ..quantize import quantize
+from ..quantize import quantize, quantize_transposed
 from ..recipe import CurrentScaling, Recipe
 from ..scaling import current_scale
 from ..tensor import Float8Tensor
@@ -149,8 +149,20 @@ class _FP8Linear(torch.autograd.Function):
         ctx.wgrad_in_fp8 = wgrad_in_fp8
         qx_t = qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None
         hp_x = x2.detach() if not wgrad_in_fp8 and weight.requires_grad else None  # megatron's fp8_wgrad=False
-        qw_t = qweight.transpose_2d()._data if x.requires_grad else None  # dgrad operand
-        ctx.save_for_backward(qx_t, qx._scale_inv, qw_t, qweight._scale_inv, hp_x)
+        # dgrad operand: the weight's FP8 transpose. A cached or FP8 weight has it already; a fresh cast is
+        # not held from forward to backward (1 byte per parameter across the whole model) but re-cast there
+        # from the weight with a copy of the forward scale (the same bytes, written only when needed)
+        qw_t = w_scale = None
+        ctx.recast_weight = False
+        if x.requires_grad:
+            if qweight.has_current_transpose() or isinstance(weight, Float8Tensor):
+                qw_t = qweight.transpose_2d()._data
+            else:
+                ctx.recast_weight = True  # current scaling recomputes its (deterministic) scale
+                if plan.forward_scale is not None:
+                    w_scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1].clone()
+        ctx.save_for_backward(qx_t, qx._scale_inv, qw_t, qweight._scale_inv, hp_x,
+                              weight if ctx.recast_weight else None, w_scale)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.state, ctx.plan = state, plan
@@ -158,7 +170,7 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_t, qx_sinv, qw_t, qw_sinv, hp_x = ctx.saved_tensors
+        qx_t, qx_sinv, qw_t, qw_sinv, hp_x, weight, w_scale = ctx.saved_tensors
         state, plan = ctx.state, ctx.plan
         fmt = plan.recipe.fp8_format
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -170,7 +182,15 @@ class _FP8Linear(torch.autograd.Function):
                    with_transpose=fp8_wgrad)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            qw_transposed = Float8Tensor(qw_t, qw_sinv, ctx.w_dtype)
+            if ctx.recast_weight:
+                if w_scale is None:
+                    from ..recipe import fp8_max
+
+                    w_scale = current_scale(weight.detach().abs().amax(), fp8_max(fmt.forward_dtype),
+                                            plan.recipe.eps).reshape(1)
+                qw_transposed = quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype)
+            else:
+                qw_transposed = Float8Tensor(qw_t, qw_sinv, ctx.w_dtype)
             grad_x = fp8_gemm(qg, qw_transposed, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
@@ -202,6 +222,5 @@ def fp8_linear(
     if plan is None:
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    needs_dgrad = torch.is_grad_enabled() and x.requires_grad
-    qweight = cast_weight(weight, state, plan, is_first_microbatch, with_transpose=needs_dgrad)
+    qweight = cast_weight(weight, state, plan, is_first_microbatch, with_transpose=False)
     return _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8)

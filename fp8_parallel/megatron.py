@@ -111,9 +111,15 @@ def expert_scope():
 
 
 class FP8TransformerLayer(TransformerLayer):
-    """megatron's TransformerLayer, run inside its FP8 scope (or in high precision for bf16 layers)."""
+    """megatron's TransformerLayer, run inside its FP8 scope (or in high precision for bf16 layers).
+
+    With `config.fp8` unset the layer opens no scope of its own and follows the enclosing one: megatron 0.16
+    routes full activation recompute through TransformerEngine whenever `config.fp8` is set, so a model that
+    recomputes without TransformerEngine keeps `config.fp8` off and runs under `fp8_parallel.autocast`."""
 
     def forward(self, *args, **kwargs):
+        if recipe_from_config(self.config) is None:
+            return super().forward(*args, **kwargs)
         with fp8_context(self.config, self.layer_number - 1):
             return super().forward(*args, **kwargs)
 

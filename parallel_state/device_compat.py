@@ -10,6 +10,8 @@ megatron-core hard-codes CUDA in places that have nothing to do with the math:
 * the model-parallel RNG tracker, which reads and writes CUDA generator states;
 * the MoE all-to-all dispatcher moves its split sizes "to the host" as numpy arrays only when they are
   on a GPU; on CPU they would stay tensors, which `all_to_all_single` refuses: they become numpy here too;
+* activation recompute runs inside autograd's backward, where torch function modes are not active: megatron's
+  checkpoint backward re-enters the placement mode here;
 * gloo's all_gather / reduce_scatter take only equal-sized tensor lists; megatron's MoE dispatcher with
   expert-TP > 1 gathers and reduce-scatters unequal token counts (NCCL allows that): here unequal lists are
   padded to the largest and trimmed again;
@@ -162,6 +164,14 @@ def _uneven_reduce_scatter(original):
     return reduce_scatter
 
 
+def _with_placement_mode(backward):
+    def run(ctx, *grads):
+        with _CudaPlacementToCpu():
+            return backward(ctx, *grads)
+
+    return staticmethod(run)
+
+
 def _patches() -> List[Tuple[Any, str, Any]]:
     import torch.distributed as dist
 
@@ -182,6 +192,7 @@ def _patches() -> List[Tuple[Any, str, Any]]:
         (mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state),
         (mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
+        (mcore_random.CheckpointFunction, "backward", _with_placement_mode(mcore_random.CheckpointFunction.backward)),
         (dist, "all_gather", _uneven_all_gather(dist.all_gather)),
         (dist, "reduce_scatter", _uneven_reduce_scatter(dist.reduce_scatter)),
     ]
@@ -206,7 +217,9 @@ def cpu_compat(enabled: Optional[bool] = None) -> Iterator[bool]:
         yield False
         return
     patches = _patches()
-    saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
+    # class attributes are saved raw (a staticmethod stays a staticmethod when restored)
+    saved = [(owner, name, vars(owner).get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING))
+             for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)
     rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")

@@ -58,6 +58,7 @@ class FP8State(torch.nn.Module):
         self.register_buffer("recipe", torch.zeros(6, dtype=torch.int64, device=device))
         self.recompute = RecomputeQueue()
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)
+        self.weight_version: Optional[int] = None  # the weight's version counter when it was cached
         self._prepared_for: Optional[Recipe] = None
 
     def prepare(self, recipe: Recipe) -> None:
@@ -126,9 +127,13 @@ def cast_weight(
     if is_first_microbatch is None:
         return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=with_transpose)
     cached = state.weight_fp8
-    if is_first_microbatch or cached is None or cached.shape != weight.shape:
+    # a cache is never used stale: a weight updated in place since it was cached (an optimizer step without
+    # a new first microbatch) is cast again
+    stale = cached is None or cached.shape != weight.shape or state.weight_version != weight._version
+    if is_first_microbatch or stale:
         reuse = cached if cached is not None and cached.shape == weight.shape else None
         state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, out=reuse, with_transpose=True)
+        state.weight_version = weight._version
     elif slot is not None:  # reused cast: its amax still counts for this scope
         torch.maximum(slot, weight.detach().abs().amax().float().reshape(1), out=slot)
     return state.weight_fp8

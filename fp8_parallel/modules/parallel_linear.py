@@ -20,6 +20,20 @@ from megatron.core.tensor_parallel.mappings import (
 from ._core import FP8State, fp8_linear, history_len_of
 
 
+def _first_microbatch(module, explicit: Optional[bool]) -> Optional[bool]:
+    """Weight caching: an explicit argument wins; otherwise megatron's protocol, in which its schedule sets
+    `is_first_microbatch = True` on every module at a step's first microbatch (as for TransformerEngine
+    layers), unless `config.disable_parameter_transpose_cache`. Until something sets it the attribute is None:
+    no caching. The cache is never used stale (see `cast_weight`)."""
+    if explicit is not None:
+        return explicit
+    first = module.is_first_microbatch
+    if first is None or getattr(module.config, "disable_parameter_transpose_cache", False):
+        return None
+    module.is_first_microbatch = False
+    return first
+
+
 def _wgrad_in_fp8(config) -> bool:
     return getattr(config, "fp8_wgrad", True)
 
@@ -32,10 +46,11 @@ class ColumnParallelLinear(mtp.ColumnParallelLinear):
         device = None if self.weight is None else self.weight.device
         self.fp8 = FP8State(f"ColumnParallelLinear({input_size},{output_size})", device=device,
                             history_len=history_len_of(config))
-        self.is_first_microbatch: Optional[bool] = None
+        self.is_first_microbatch: Optional[bool] = None  # megatron's schedule sets True at a step's first microbatch
+        self._first: Optional[bool] = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None, is_first_microbatch: Optional[bool] = None):
-        self.is_first_microbatch = is_first_microbatch
+        self._first = _first_microbatch(self, is_first_microbatch)
         return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
 
     def _forward_impl(self, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, **_):
@@ -43,7 +58,7 @@ class ColumnParallelLinear(mtp.ColumnParallelLinear):
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        return fp8_linear(input, weight, bias, self.fp8, self.is_first_microbatch, _wgrad_in_fp8(self.config))
+        return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config))
 
 
 class RowParallelLinear(mtp.RowParallelLinear):
@@ -53,11 +68,12 @@ class RowParallelLinear(mtp.RowParallelLinear):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         self.fp8 = FP8State(f"RowParallelLinear({input_size},{output_size})", device=self.weight.device,
                             history_len=history_len_of(config))
-        self.is_first_microbatch: Optional[bool] = None
+        self.is_first_microbatch: Optional[bool] = None  # megatron's schedule sets True at a step's first microbatch
+        self._first: Optional[bool] = None
 
     def forward(self, input_, is_first_microbatch: Optional[bool] = None):
-        self.is_first_microbatch = is_first_microbatch
+        self._first = _first_microbatch(self, is_first_microbatch)
         return super().forward(input_)
 
     def _forward_impl(self, input, weight, bias, **_):
-        return fp8_linear(input, weight, bias, self.fp8, self.is_first_microbatch, _wgrad_in_fp8(self.config))
+        return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config))

@@ -159,6 +159,13 @@ def check_weight_caching():
             opt.zero_grad()
         # after the optimizer step the first microbatch recast into the same buffer, with the new weights
         assert fc1.fp8.weight_fp8._data.data_ptr() == ptr
+        # an optimizer step without a new first microbatch: the stale cache is not used, the weights are recast
+        _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=False)
+        opt.step()
+        casts.clear()
+        _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=False)
+        weight_casts = [c for c in casts if c in (tuple(fc1.weight.shape), tuple(fc2.weight.shape))]
+        assert len(weight_casts) == 2, casts
     finally:
         core._cast = original
     # the cached weight carries the scale_inv it was cast with, and its transpose is never stale
@@ -256,10 +263,16 @@ def _gpt_checks():
                 num_layers=4, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                 tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                 expert_model_parallel_size=2 if moe else 1, sequence_parallel=True, pipeline_dtype=torch.float32,
-                fp8=None if moe else "hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
+                fp8=None, fp8_recipe="delayed", fp8_amax_history_len=4,
                 fp8_amax_compute_algo="max", **extra,
+                # dense: FP8 + PP + full recompute (megatron's reentrant checkpoint) + weight caching
+                **({} if moe else dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
             )
-            cfg.fp8 = "hybrid"  # megatron 0.16 refuses fp8 + MoE in __post_init__ without TransformerEngine
+            if moe:  # megatron 0.16 refuses fp8 + MoE in __post_init__ without TransformerEngine: set it after
+                cfg.fp8 = "hybrid"
+            # dense: megatron 0.16 sends full recompute through TransformerEngine when config.fp8 is set, so
+            # the dense model keeps config.fp8 off and runs under our own autocast (the layers follow it)
+            recipe = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
             model = GPTModel(
                 config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, num_experts=4 if moe else None, moe_grouped_gemm=grouped),
                 vocab_size=128, max_sequence_length=32,
@@ -275,7 +288,8 @@ def _gpt_checks():
 
             def forward_step(it, m):
                 t = next(it)
-                with fp8_context(cfg):
+                scope = fp8_context(cfg) if cfg.fp8 else fp.autocast(recipe=recipe, group=ps.dense_amax_group())
+                with scope:
                     out = m(t, torch.arange(32).expand(2, 32), None, labels=torch.roll(t, -1, 1))
                 return out, loss_func
 
@@ -305,6 +319,11 @@ def _gpt_checks():
                 pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage()))
         states = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8State)]
         assert states and all((m.fwd.amax_history[:, 0] > 0).all() for _, m in states)
+        # with config.fp8 set, megatron's schedule drives the weight cache (is_first_microbatch)
+        if cfg.fp8:
+            cached = [n for n, m in model.named_modules()
+                      if isinstance(getattr(m, "fp8", None), FP8State) and m.fp8.weight_fp8 is not None]
+            assert cached, "megatron's is_first_microbatch protocol cached no FP8 weight"
         for name, m in states:
             expert = ".experts." in name
             group = ps.expert_amax_group() if expert else ps.dense_amax_group()

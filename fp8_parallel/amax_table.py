@@ -102,9 +102,6 @@ class AmaxTable:
             info = _LAYOUTS[key] = _LayoutInfo(self._order, self.device)
         return info
 
-    def fingerprint(self) -> int:
-        return self._layout().fingerprint
-
     def reduce_and_update(
         self, recipe: DelayedScaling, group: Optional[dist.ProcessGroup], fp8_max: float, scope: str
     ) -> None:

@@ -59,9 +59,7 @@ def quantize(
             f"quantize: out has shape {tuple(out._data.shape)} / {out._data.dtype}, "
             f"input needs {tuple(x.shape)} / {fp8_dtype}"
         )
-    transpose = out.transpose_2d(update_cache=False) if with_transpose and out.has_current_transpose() else None
-    if with_transpose and transpose is None:
-        transpose = _allocate_transpose(out)
+    transpose = Float8Tensor(out._transpose_buffer(), out._scale_inv, out.dtype) if with_transpose else None
     if not force_torch and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
@@ -72,15 +70,6 @@ def quantize(
     if transpose is not None:
         out._transpose_cache.version = out._data_version()
     return out
-
-
-def _allocate_transpose(out: Float8Tensor) -> Float8Tensor:
-    tc = out._transpose_cache
-    rows = out._data.numel() // out._data.shape[-1]
-    shape = (out._data.shape[-1], rows)
-    if tc.buffer is None or tc.buffer.shape != shape:
-        tc.buffer = torch.empty(shape, dtype=out._data.dtype, device=out._data.device)
-    return Float8Tensor(tc.buffer, out._scale_inv, out.dtype)
 
 
 def _keep_where(flag: Optional[torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

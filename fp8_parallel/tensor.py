@@ -118,17 +118,26 @@ class Float8Tensor(torch.Tensor):
         if update_cache not in (True, False, "auto"):
             raise ValueError(f"update_cache={update_cache!r} must be True, False or 'auto'")
         tc = self._transpose_cache
-        rows = self._data.numel() // self._data.shape[-1] if self._data.dim() else 1
-        shape = (self._data.shape[-1], rows)
-        if tc.buffer is None or tc.buffer.shape != shape:
-            if update_cache is False:
-                raise RuntimeError("transpose_2d(update_cache=False): the transpose cache was never filled")
-            tc.buffer = torch.empty(shape, dtype=self._data.dtype, device=self._data.device)
-            tc.version = None
+        if update_cache is False and (tc.buffer is None or tc.buffer.shape != self._transpose_shape()):
+            raise RuntimeError("transpose_2d(update_cache=False): the transpose cache was never filled")
+        self._transpose_buffer()
         if update_cache is True or (update_cache == "auto" and tc.version != self._data_version()):
             _fill_transpose(tc.buffer, self._data, noop_flag)
             tc.version = self._data_version()
         return Float8Tensor(tc.buffer, self._scale_inv, self.dtype)
+
+    def _transpose_shape(self) -> tuple:
+        rows = self._data.numel() // self._data.shape[-1] if self._data.dim() else 1
+        return (self._data.shape[-1], rows)
+
+    def _transpose_buffer(self) -> torch.Tensor:
+        """The persistent transpose buffer, allocated on first need (or when the shape changed)."""
+        tc = self._transpose_cache
+        shape = self._transpose_shape()
+        if tc.buffer is None or tc.buffer.shape != shape:
+            tc.buffer = torch.empty(shape, dtype=self._data.dtype, device=self._data.device)
+            tc.version = None
+        return tc.buffer
 
     def has_current_transpose(self) -> bool:
         """Whether the cached transpose matches the data as it is now (eager bookkeeping)."""

@@ -114,8 +114,7 @@ def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False):
 
 
 def cast_weight(
-    weight: torch.Tensor, state: FP8State, plan: _Plan, is_first_microbatch: Optional[bool],
-    with_transpose: bool = True,
+    weight: torch.Tensor, state: FP8State, plan: _Plan, is_first_microbatch: Optional[bool]
 ) -> Float8Tensor:
     """The FP8 weight (with its transpose, for dgrad): cast now, or the cached cast (`is_first_microbatch`
     False) with the scale_inv it was cast with. The cache holds data + transpose (2 bytes per parameter)."""
@@ -125,7 +124,7 @@ def cast_weight(
     if isinstance(weight, Float8Tensor):  # an FP8 parameter
         return weight
     if is_first_microbatch is None:
-        return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=with_transpose)
+        return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype)  # transpose re-cast in backward
     cached = state.weight_fp8
     # a cache is never used stale: a weight updated in place since it was cached (an optimizer step without
     # a new first microbatch) is cast again
@@ -134,8 +133,8 @@ def cast_weight(
         reuse = cached if cached is not None and cached.shape == weight.shape else None
         state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, out=reuse, with_transpose=True)
         state.weight_version = weight._version
-    elif slot is not None:  # reused cast: its amax still counts for this scope
-        torch.maximum(slot, weight.detach().abs().amax().float().reshape(1), out=slot)
+    # a reused cast registers no weight amax (the weight is unchanged since its cast, whose amax was
+    # recorded), so its history is not rolled again and no pass over the weight is spent per microbatch
     return state.weight_fp8
 
 
@@ -227,5 +226,5 @@ def fp8_linear(
     if plan is None:
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    qweight = cast_weight(weight, state, plan, is_first_microbatch, with_transpose=False)
+    qweight = cast_weight(weight, state, plan, is_first_microbatch)
     return _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8)

@@ -1,5 +1,6 @@
 """fp8_parallel: FP8 training for Megatron-style parallelism."""
 from .amax_table import AmaxLayoutMismatch
+from .graphs import GraphedCallable, make_graphed_callables
 from .scopes import autocast, fp8_autocast, nonfinite_amax_count
 from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, Linear, RowParallelLinear
 from .recipe import CurrentScaling, DelayedScaling, Format, fp8_max
@@ -14,9 +15,11 @@ __all__ = [
     "DelayedScaling",
     "Float8Tensor",
     "Format",
+    "GraphedCallable",
     "Linear",
     "autocast",
     "fp8_autocast",
     "fp8_max",
+    "make_graphed_callables",
     "nonfinite_amax_count",
 ]

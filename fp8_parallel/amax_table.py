@@ -77,21 +77,47 @@ class AmaxTable:
 
     def slots(self, meta: FP8Meta) -> torch.Tensor:
         """The `[meta.num_tensors]` amax slots of `meta` in this table."""
+        offset = self._offset(meta)
+        return self._buffer[HEADER + offset : HEADER + offset + meta.num_tensors]
+
+    def amaxes(self) -> torch.Tensor:
+        """All slots, in registration order (a view; current until the next registration)."""
+        return self._buffer[HEADER : HEADER + self._used] if self._buffer is not None else torch.zeros(0, device=self.device)
+
+    def fold(self, metas: List[FP8Meta], amax: torch.Tensor) -> None:
+        """Max the amaxes `amax` of `metas` (concatenated, as another table's `amaxes()`) into their slots here,
+        registering the metas that are new: one kernel when their slots are contiguous, as they are when the
+        metas are registered together."""
+        if not metas:
+            return
+        offsets = [self._offset(m) for m in metas]
+        total = sum(m.num_tensors for m in metas)
+        if all(b - a == m.num_tensors for a, b, m in zip(offsets, offsets[1:], metas)):
+            block = self._buffer[HEADER + offsets[0] : HEADER + offsets[0] + total]
+            torch.maximum(block, amax, out=block)
+            return
+        start = 0
+        for meta, offset in zip(metas, offsets):
+            block = self._buffer[HEADER + offset : HEADER + offset + meta.num_tensors]
+            torch.maximum(block, amax[start : start + meta.num_tensors], out=block)
+            start += meta.num_tensors
+
+    def _offset(self, meta: FP8Meta) -> int:
+        """The offset of `meta`'s slots, registering it (and growing the buffer) when it is new."""
         entry = self._entries.get(id(meta))
-        if entry is None:
-            n = meta.num_tensors
-            if self._buffer is None:
-                self._buffer = torch.zeros(HEADER + max(self._capacity, n), device=self.device)
-            if HEADER + self._used + n > self._buffer.numel():
-                grown = torch.zeros(HEADER + max(2 * (self._buffer.numel() - HEADER), self._used + n), device=self.device)
-                grown[: HEADER + self._used].copy_(self._buffer[: HEADER + self._used])
-                self._buffer = grown
-            entry = (meta, self._used)
-            self._entries[id(meta)] = entry
-            self._order.append(meta)
-            self._used += n
-        meta_, offset = entry
-        return self._buffer[HEADER + offset : HEADER + offset + meta_.num_tensors]
+        if entry is not None:
+            return entry[1]
+        n = meta.num_tensors
+        if self._buffer is None:
+            self._buffer = torch.zeros(HEADER + max(self._capacity, n), device=self.device)
+        if HEADER + self._used + n > self._buffer.numel():
+            grown = torch.zeros(HEADER + max(2 * (self._buffer.numel() - HEADER), self._used + n), device=self.device)
+            grown[: HEADER + self._used].copy_(self._buffer[: HEADER + self._used])
+            self._buffer = grown
+        self._entries[id(meta)] = (meta, self._used)
+        self._order.append(meta)
+        self._used += n
+        return self._used - n
 
     def _layout(self) -> _LayoutInfo:
         key = tuple([m.storage_id for m in self._order])

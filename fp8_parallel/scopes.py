@@ -16,9 +16,10 @@ package's one global.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,53 @@ class KeyState:
             self.reduce_backward()
 
 
+class RecordingKey(KeyState):
+    """A key state that only collects amaxes (warm-up and capture of graphed callables): never reduces.
+
+    `caller` marks the key of the capture scope itself (replay registers it with the caller's scope);
+    other recording keys stand for scopes opened inside the recorded function (replay re-opens them).
+    `expected_backward` counts module calls that expect a backward; `weight_noop_flag` is the device flag
+    captured weight casts read (non-zero: keep the cached FP8 weight).
+    """
+
+    def __init__(self, recipe: Recipe, group: Optional[dist.ProcessGroup], device: torch.device, caller: bool,
+                 weight_noop_flag: Optional[torch.Tensor]):
+        super().__init__(recipe, group, device)
+        self.caller = caller
+        self.expected_backward = 0
+        self.weight_noop_flag = weight_noop_flag
+        self.cached_weights: List[torch.Tensor] = []
+
+    def expect_backward(self) -> None:
+        super().expect_backward()
+        self.expected_backward += 1
+
+    def reduce_forward(self) -> None:
+        pass
+
+    def reduce_backward(self) -> None:
+        pass
+
+
+class Recorder:
+    """The recording keys of one recorded call, in the order their scopes were first opened."""
+
+    def __init__(self, device: torch.device, weight_noop_flag: Optional[torch.Tensor] = None):
+        self.device = device
+        self.weight_noop_flag = weight_noop_flag
+        self.keys: List[RecordingKey] = []
+        self.cached_weights: List[torch.Tensor] = []  # weights cast under the noop flag (graph weight cache)
+
+    def key(self, recipe: Recipe, group: Optional[dist.ProcessGroup], caller: bool) -> RecordingKey:
+        for k in self.keys:
+            if k.caller == caller and k.recipe == recipe and k.group is group:
+                return k
+        k = RecordingKey(recipe, group, self.device, caller, self.weight_noop_flag)
+        k.cached_weights = self.cached_weights
+        self.keys.append(k)
+        return k
+
+
 @dataclasses.dataclass
 class _Scope:
     enabled: bool
@@ -109,6 +157,7 @@ class _Scope:
     state: Optional[KeyState]
     owns_state: bool
     grad_enabled: bool
+    recorder: Optional[Recorder] = None
 
 
 _SCOPE_STACK: List[_Scope] = []  # the one global: the stack of open autocast scopes
@@ -146,17 +195,22 @@ class autocast:
         if self._scope is not None:
             raise RuntimeError("this fp8_parallel.autocast instance is already active; create a new one")
         grad = torch.is_grad_enabled()
+        recorder = _SCOPE_STACK[-1].recorder if _SCOPE_STACK else None
         if not self.enabled:
-            scope = _Scope(False, None, None, None, False, grad)
+            scope = _Scope(False, None, None, None, False, grad, recorder)
         else:
             group = self.group if self.group is not None else _default_group()
             shared = next(
                 (s for s in reversed(_SCOPE_STACK)
-                 if s.enabled and s.recipe == self.recipe and s.group is group and s.grad_enabled == grad),
+                 if s.enabled and s.recipe == self.recipe and s.group is group and s.grad_enabled == grad
+                 and s.recorder is recorder),  # a recording never shares keys from outside it
                 None,
             )
             if shared is not None:
-                scope = _Scope(True, self.recipe, group, shared.state, False, grad)
+                scope = _Scope(True, self.recipe, group, shared.state, False, grad, recorder)
+            elif recorder is not None:  # recording a graphed callable: collect, never reduce
+                scope = _Scope(True, self.recipe, group, recorder.key(self.recipe, group, caller=False), False,
+                               grad, recorder)
             else:
                 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
                 scope = _Scope(True, self.recipe, group, KeyState(self.recipe, group, device), True, grad)
@@ -176,6 +230,24 @@ class autocast:
 
 
 fp8_autocast = autocast
+
+
+@contextlib.contextmanager
+def recording_scope(recorder: Recorder, enabled: bool, recipe: Optional[Recipe]) -> Iterator[None]:
+    """Run a graphed callable's warm-up or capture: FP8 modules inside collect amaxes in `recorder`'s keys
+    (the capture scope's own key, and one per scope opened inside), and nothing is reduced."""
+    grad = torch.is_grad_enabled()
+    if enabled:
+        recipe = recipe if recipe is not None else DelayedScaling()
+        scope = _Scope(True, recipe, None, recorder.key(recipe, None, caller=True), False, grad, recorder)
+    else:
+        scope = _Scope(False, None, None, None, False, grad, recorder)
+    _SCOPE_STACK.append(scope)
+    try:
+        yield
+    finally:
+        popped = _SCOPE_STACK.pop()
+        assert popped is scope, "fp8_parallel.autocast scopes exited out of order"
 
 
 def nonfinite_amax_count(module: torch.nn.Module) -> torch.Tensor:

@@ -105,12 +105,12 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     return _Plan(recipe, scale, slots, key, counts)
 
 
-def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False):
+def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noop_flag=None):
     if isinstance(recipe, CurrentScaling):
         from ..recipe import fp8_max
 
         scale = current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), recipe.eps).reshape(1)
-    return quantize(x, scale, fp8_dtype, amax_out=slot, out=out, with_transpose=with_transpose)
+    return quantize(x, scale, fp8_dtype, amax_out=slot, out=out, with_transpose=with_transpose, noop_flag=noop_flag)
 
 
 def cast_weight(
@@ -123,6 +123,9 @@ def cast_weight(
     scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_scale is not None else None
     if isinstance(weight, Float8Tensor):  # an FP8 parameter
         return weight
+    noop_flag = getattr(plan.key_state, "weight_noop_flag", None)
+    if noop_flag is not None:  # recorded for a graphed callable with weight caching: the flag decides on replay
+        return _cast_weight_under_flag(weight, state, plan, noop_flag, scale, slot)
     if is_first_microbatch is None:
         return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype)  # transpose re-cast in backward
     cached = state.weight_fp8
@@ -135,6 +138,18 @@ def cast_weight(
         state.weight_version = weight._version
     # a reused cast registers no weight amax (the weight is unchanged since its cast, whose amax was
     # recorded), so its history is not rolled again and no pass over the weight is spent per microbatch
+    return state.weight_fp8
+
+
+def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: torch.Tensor, scale, slot) -> Float8Tensor:
+    """Cast into the persistent weight cache unless the device flag `noop_flag` is set (then the cache, its
+    transpose, scale_inv and the weight's amax slot are left as they are)."""
+    cached = state.weight_fp8
+    reuse = cached if cached is not None and cached.shape == weight.shape else None
+    state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, plan.recipe.fp8_format.forward_dtype, out=reuse,
+                             with_transpose=True, noop_flag=noop_flag)
+    state.weight_version = None  # eager calls re-cast before trusting a cache written under a device flag
+    plan.key_state.cached_weights.append(weight)
     return state.weight_fp8
 
 
@@ -165,7 +180,13 @@ class _FP8Linear(torch.autograd.Function):
                 ctx.recast_weight = True  # current scaling recomputes its (deterministic) scale
                 if plan.forward_scale is not None:
                     w_scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1].clone()
-        ctx.save_for_backward(qx_t, qx._scale_inv, qw_t, qweight._scale_inv, hp_x,
+        # the weight cache is rewritten in place only by a later first microbatch or a changed weight (never
+        # while this backward is pending in a training step), so it is held outside autograd's version checks
+        qw_sinv = qweight._scale_inv
+        ctx.cached_weight = (qw_t, qw_sinv) if qweight is state.weight_fp8 else None
+        if ctx.cached_weight is not None:
+            qw_t = qw_sinv = None
+        ctx.save_for_backward(qx_t, qx._scale_inv, qw_t, qw_sinv, hp_x,
                               weight if ctx.recast_weight else None, w_scale)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -175,6 +196,8 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qx_t, qx_sinv, qw_t, qw_sinv, hp_x, weight, w_scale = ctx.saved_tensors
+        if ctx.cached_weight is not None:
+            qw_t, qw_sinv = ctx.cached_weight
         state, plan = ctx.state, ctx.plan
         fmt = plan.recipe.fp8_format
         g2 = grad_out.reshape(-1, grad_out.shape[-1])

@@ -22,6 +22,7 @@ one warning), so CPU tests exercise the code that graphs use.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -210,7 +211,7 @@ class _GraphRunner(_Runner):
         self.fwd_graph = torch.cuda.CUDAGraph()
         for gen in self.generators:
             self.fwd_graph.register_generator_state(gen)
-        with torch.cuda.graph(self.fwd_graph, pool=pool):
+        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph, pool=pool):
             outputs = self._record(self.static_inputs, self.recorder)
         self._outputs_with_graph, spec, leaves, positions = _flatten_outputs(outputs)
         self.out_structure = (spec, leaves, positions)
@@ -221,7 +222,7 @@ class _GraphRunner(_Runner):
         self.bwd_graph = torch.cuda.CUDAGraph()
         for gen in self.generators:
             self.bwd_graph.register_generator_state(gen)
-        with torch.cuda.graph(self.bwd_graph, pool=pool):
+        with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool):
             grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
         self.static_grads = [g.detach() if g is not None else None for g in grads]
         self.static_outputs = [o.detach() for o in outs]  # releases the captured autograd graph
@@ -279,6 +280,7 @@ class GraphedCallable:
     Attributes:
         num_microbatches: graphs per direction.
         next_microbatch: the microbatch whose graphs the next call replays (cycles; settable).
+        replayed: calls that replayed (the others ran eagerly).
     """
 
     def __init__(self, name: str, original: Callable, module: Optional[torch.nn.Module], runners: List[_Runner],
@@ -299,6 +301,7 @@ class GraphedCallable:
         self._cast_versions: Optional[List[int]] = None
         self.num_microbatches = len(runners)
         self.next_microbatch = 0
+        self.replayed = 0
 
     def replays(self) -> bool:
         """Whether a call now replays the graphs (see the class docstring)."""
@@ -329,6 +332,7 @@ class GraphedCallable:
         _, recorder, _ = flight.state
         flight.pairs = _register_forward(recorder)
         self.next_microbatch = (mb + 1) % self.num_microbatches
+        self.replayed += 1
         return _unflatten_outputs(outputs, *flight.state[0])
 
     def _set_weight_flag(self, first: bool) -> None:
@@ -384,7 +388,6 @@ def make_graphed_callables(
     fp8_weight_caching: bool = False,
     order: Optional[List[int]] = None,
     pool: Optional[Any] = None,
-    _generators: Sequence[torch.Generator] = (),
 ):
     """Capture forward and backward CUDA graphs of `modules` (callables or `nn.Module`s).
 
@@ -427,6 +430,8 @@ def make_graphed_callables(
         warnings.warn("fp8_parallel.make_graphed_callables: CUDA is not available; the callables run eagerly "
                       "(same FP8 semantics, no graphs)", stacklevel=2)
 
+    generators = _graph_safe_rng_generators() if graphs else []
+
     def index(chunk: int, mb: int, layer: int) -> int:
         return chunk * microbatches * layers + mb * layers + layer
 
@@ -452,7 +457,7 @@ def make_graphed_callables(
             cls = _GraphRunner if graphs else _EagerRunner
             runner = cls(original, params, signature, requires, fp8_enabled, fp8_recipe, flag, allow_unused_input)
             runner.sample = tensors
-            runner.generators = list(_generators)
+            runner.generators = generators
             runners.append(runner)
             signatures.append(signature)
         entries.append(dict(func=func, module=module, original=original, params=params, flag=flag,
@@ -549,6 +554,19 @@ def _capture(entries: list, order: List[int], layers: int, pool) -> None:
             for i in reversed(ids):
                 entries[i]["runners"][mb].capture_backward(pool)
     torch.cuda.synchronize()
+
+
+def _graph_safe_rng_generators() -> List[torch.Generator]:
+    """RNG states that graphs must register besides torch's default generator: megatron's RNG tracker keeps
+    its states as graph-safe generators when built with `use_cudagraphable_rng` (without it, code that forks
+    the tracker cannot be captured)."""
+    random = sys.modules.get("megatron.core.tensor_parallel.random")
+    if random is None:
+        return []
+    tracker = random.get_cuda_rng_tracker()
+    if not getattr(tracker, "use_cudagraphable_rng", False):
+        return []
+    return [s for s in tracker.get_states().values() if isinstance(s, torch.Generator)]
 
 
 def _unique(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 import fp8_parallel as fp
 from fp8_parallel.meta import FP8Meta
 from fp8_parallel.pipeline import capture_order
+from launcher import launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp8_parallel.make_graphed_callables. CUDA is not available")
 
@@ -179,3 +180,15 @@ def test_cpu_fallback_warns_once_per_call():
         fp.make_graphed_callables(Block(), (torch.randn(8, D, requires_grad=True),))
     assert [str(w.message) for w in caught if "CUDA is not available" in str(w.message)] != []
     assert len([w for w in caught if "CUDA is not available" in str(w.message)]) == 1
+
+
+def test_megatron_layer_stack_in_pipeline_order_matches_eager():
+    """megatron TransformerLayers with our spec, 2 chunks x 2 layers, 4 microbatches, 3 iterations."""
+    launch("graph_checks.py", 1, ["stack"], timeout=300, expect_checks=[
+        "graphed_stack_matches_eager", "graphed_stack_cached_weights_matches_eager"])
+
+
+def test_megatron_schedule_drives_graphed_layers_tp2_pp2_vpp2():
+    """megatron's interleaved schedule with the forward-step adapter matches the plain model exactly."""
+    launch("graph_checks.py", 4, ["2", "2", "2"], timeout=400, expect_checks=[
+        "graphed_layers_match_plain_tp2_pp2_vpp2", "graphed_layers_cached_weights_match_plain_tp2_pp2_vpp2"])

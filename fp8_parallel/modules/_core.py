@@ -62,7 +62,7 @@ class FP8State(torch.nn.Module):
         self._prepared_for: Optional[Recipe] = None
 
     def prepare(self, recipe: Recipe) -> None:
-        if recipe is self._prepared_for:
+        if recipe is self._prepared_for or recipe == self._prepared_for:  # no host-to-device copy (capturable)
             return
         if not isinstance(recipe, CurrentScaling):
             self.fwd.ensure_history_len(recipe.amax_history_len)

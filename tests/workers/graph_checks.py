@@ -1,0 +1,249 @@
+"""megatron's real schedule drives graphed FP8 transformer layers (`graph_megatron_layers`) and matches the
+plain model exactly: losses, gradients and FP8 state, every step, every rank.
+
+Usage (under torchrun): graph_checks.py TP PP VPP   (VPP 0 = no interleaving)
+                        graph_checks.py stack        (1 rank: 2 chunks x 2 layers driven in a pipeline order)
+On CPU (gloo) the graphed layers take the eager path of make_graphed_callables; on GPUs (NCCL) they replay
+CUDA graphs.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fp8_parallel as fp
+import parallel_state as ps
+from rank_checks import run_checks, test_seed
+
+STACK = sys.argv[1] == "stack"
+TP, PP, VPP = (1, 1, 0) if STACK else (int(a) for a in sys.argv[1:4])
+VPP = VPP or None
+GPU = torch.cuda.is_available()
+if GPU:
+    torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", "0")))
+ps.initialize(tp=TP, pp=PP, vpp=VPP, backend="nccl" if GPU else "gloo")
+
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from fp8_parallel.megatron import get_gpt_block_spec  # noqa: E402
+from fp8_parallel.meta import FP8Meta  # noqa: E402
+from fp8_parallel.pipeline import graph_megatron_layers  # noqa: E402
+
+VOCAB, SEQ, MBS, M, STEPS = 64, 32, 2, 4, 3
+LAYERS_PER_CHUNK = 2
+RECIPE = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
+DTYPE = torch.bfloat16 if GPU else torch.float32
+
+
+def _config() -> TransformerConfig:
+    chunks = VPP or 1
+    return TransformerConfig(
+        num_layers=PP * chunks * LAYERS_PER_CHUNK, hidden_size=64, num_attention_heads=4,
+        use_cpu_initialization=True, tensor_model_parallel_size=TP, sequence_parallel=TP > 1,
+        pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=VPP,
+        pipeline_dtype=DTYPE, params_dtype=DTYPE, bf16=GPU, hidden_dropout=0.0, attention_dropout=0.0,
+        overlap_p2p_comm=VPP is not None, batch_p2p_comm=VPP is None,
+    )
+
+
+def _build(cfg):
+    model_parallel_cuda_manual_seed(test_seed() % 1000, use_cudagraphable_rng=GPU)
+    torch.manual_seed(test_seed() % 1000)
+    chunks = []
+    for v in range(VPP or 1):
+        stage = dict(vp_stage=v) if VPP else {}
+        chunk = GPTModel(
+            config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, vp_stage=v if VPP else None),
+            vocab_size=VOCAB, max_sequence_length=SEQ,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage), **stage,
+        )
+        chunks.append(chunk.cuda() if GPU else chunk)
+    return chunks
+
+
+def _train(chunks, cfg, graphed, caching: bool):
+    """STEPS steps of megatron's schedule; returns per step: losses, all gradients, all FP8 state."""
+    gen = torch.Generator().manual_seed(test_seed())
+    batches = [torch.randint(0, VOCAB, (MBS, SEQ), generator=gen) for _ in range(M)]
+    device = torch.device("cuda") if GPU else torch.device("cpu")
+    first_of = {}  # plain runs: megatron's is_first_microbatch protocol, set per chunk
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(it, chunk):
+        t = next(it).to(device)
+        if caching and graphed is None:
+            k = first_of.get(id(chunk), 0)
+            first_of[id(chunk)] = (k + 1) % M
+            if k == 0:
+                for m in chunk.modules():
+                    if hasattr(m, "is_first_microbatch"):
+                        m.is_first_microbatch = True
+        with fp.autocast(recipe=RECIPE, group=ps.dense_amax_group()):
+            out = chunk(t, torch.arange(SEQ, device=device).expand(MBS, SEQ), None, labels=torch.roll(t, -1, 1))
+        return out, loss_func
+
+    step_func = graphed.forward_step(forward_step) if graphed is not None else forward_step
+    params = [p for c in chunks for p in c.parameters()]
+    seen = []
+    for _ in range(STEPS):
+        for p in params:
+            p.grad = None
+        out = get_forward_backward_func()(
+            forward_step_func=step_func, data_iterator=[iter(batches) for _ in chunks] if VPP else iter(batches),
+            model=chunks if VPP else chunks[0], num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS,
+        )
+        for p in params:  # sequence-parallel norms: their grads sum over TP
+            if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
+        losses = [d["loss"] for d in out] if out else []
+        grads = [p.grad.clone() for p in params if p.grad is not None]
+        state = [t.clone() for c in chunks for m in c.modules() if isinstance(m, FP8Meta)
+                 for t in (m.amax_history, m.scale)]
+        seen.append((losses, grads, state))
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1)
+    return seen
+
+
+def _compare(caching: bool):
+    def check():
+        cfg = _config()
+        with ps.cpu_compat() if not GPU else _null():
+            plain_chunks = _build(cfg)
+            graphed_chunks = _build(cfg)
+            for a, b in zip(plain_chunks, graphed_chunks):
+                b.load_state_dict(a.state_dict())
+            graphed = graph_megatron_layers(graphed_chunks, cfg, num_microbatches=M, seq_length=SEQ,
+                                            micro_batch_size=MBS, fp8_recipe=RECIPE, fp8_weight_caching=caching,
+                                            num_warmup_iters=2)
+            expected = _train(plain_chunks, cfg, None, caching)
+            got = _train(graphed_chunks, cfg, graphed, caching)
+        for layers in graphed.layers:
+            for layer in layers:
+                assert layer.forward.replayed == STEPS * M, layer.forward.replayed
+        for step, ((l1, g1, s1), (l2, g2, s2)) in enumerate(zip(expected, got)):
+            assert len(g1) == len(g2) and g1 and len(s1) == len(s2) and s1
+            for what, xs, ys in (("loss", l1, l2), ("grad", g1, g2), ("fp8 state", s1, s2)):
+                for i, (x, y) in enumerate(zip(xs, ys)):
+                    assert torch.equal(x, y), f"step {step} {what} {i}: max abs diff {(x.float() - y.float()).abs().max()}"
+        final = expected[-1][2]
+        assert any((t > 0).any() for t in final[::2]), "no amax recorded"
+        assert not all(torch.equal(a, b) for a, b in zip(expected[0][2], final)), "FP8 state never changed"
+
+    return check
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _stack_layers(cfg, chunks: int, per_chunk: int):
+    from megatron.core.transformer.spec_utils import build_module
+    from fp8_parallel.megatron import get_gpt_layer_spec
+
+    model_parallel_cuda_manual_seed(test_seed() % 1000, use_cudagraphable_rng=GPU)
+    torch.manual_seed(test_seed() % 1000)
+    layers = [[build_module(get_gpt_layer_spec(), config=cfg, layer_number=c * per_chunk + i + 1)
+               for i in range(per_chunk)] for c in range(chunks)]
+    return [[layer.cuda() if GPU else layer for layer in chunk] for chunk in layers]
+
+
+def _drive_stack(layers, order, steps, caching: bool):
+    """Per `+c` a microbatch forward of chunk c (its own FP8 scope), per `-c` the backward of chunk c's
+    oldest pending microbatch with fresh random gradients; an SGD step per iteration."""
+    device = torch.device("cuda") if GPU else torch.device("cpu")
+    gen = torch.Generator().manual_seed(test_seed())
+    params = [p for chunk in layers for layer in chunk for p in layer.parameters()]
+    seen = []
+    for _ in range(steps):
+        shape = (SEQ, MBS, 64)
+        data = [[torch.randn(shape, generator=gen).to(device, DTYPE) for _ in range(M)] for _ in layers]
+        grads = [[torch.randn(shape, generator=gen).to(device, DTYPE) for _ in range(M)] for _ in layers]
+        fwd, bwd, pending = [0] * len(layers), [0] * len(layers), {}
+        for p in params:
+            p.grad = None
+        for step in order:
+            c = abs(step) - 1
+            if step > 0:
+                mb = fwd[c]
+                fwd[c] += 1
+                x = data[c][mb].requires_grad_()
+                with fp.autocast(recipe=RECIPE):
+                    h = x
+                    for layer in layers[c]:
+                        if caching and mb == 0 and not isinstance(layer.forward, fp.GraphedCallable):
+                            for m in layer.modules():
+                                if hasattr(m, "is_first_microbatch"):
+                                    m.is_first_microbatch = True
+                        h = layer(hidden_states=h)[0]
+                pending[(c, mb)] = (x, h)
+                seen.append(h.detach().clone())
+            else:
+                mb = bwd[c]
+                bwd[c] += 1
+                x, h = pending.pop((c, mb))
+                h.backward(grads[c][mb])
+                seen.append(x.grad.clone())
+        seen += [p.grad.clone() for p in params]
+        seen += [t.clone() for chunk in layers for layer in chunk for m in layer.modules()
+                 if isinstance(m, FP8Meta) for t in (m.amax_history, m.scale)]
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad, alpha=-0.1)
+    return seen
+
+
+def _compare_stack(caching: bool):
+    def check():
+        from fp8_parallel.pipeline import capture_order
+
+        cfg = _config()
+        cfg.num_layers = 4
+        order = capture_order(M, 2, 0, vpp_size=2)  # pipeline rank 0's order of PP2 / VPP2
+        with ps.cpu_compat() if not GPU else _null():
+            plain = _stack_layers(cfg, 2, 2)
+            graphed = _stack_layers(cfg, 2, 2)
+            for a, b in zip(sum(plain, []), sum(graphed, [])):
+                b.load_state_dict(a.state_dict())
+            device = torch.device("cuda") if GPU else torch.device("cpu")
+            samples = [{"hidden_states": torch.randn(SEQ, MBS, 64, device=device, dtype=DTYPE, requires_grad=True)}
+                       for _ in range(4)]
+            fp.make_graphed_callables(sum(graphed, []), [()] * 4, sample_kwargs=samples, fp8_enabled=True,
+                                      fp8_recipe=RECIPE, fp8_weight_caching=caching, order=order,
+                                      num_warmup_iters=2)
+            expected = _drive_stack(plain, order, STEPS, caching)
+            got = _drive_stack(graphed, order, STEPS, caching)
+        assert all(layer.forward.replayed == STEPS * M for chunk in graphed for layer in chunk)
+        assert len(expected) == len(got)
+        for i, (x, y) in enumerate(zip(expected, got)):
+            assert torch.equal(x, y), f"item {i}: max abs diff {(x.float() - y.float()).abs().max()}"
+
+    return check
+
+
+if __name__ == "__main__":
+    if STACK:
+        run_checks([("graphed_stack_matches_eager", _compare_stack(False)),
+                    ("graphed_stack_cached_weights_matches_eager", _compare_stack(True))])
+        ps.destroy()
+        sys.exit(0)
+    tag = f"tp{TP}_pp{PP}_vpp{VPP or 0}"
+    run_checks([(f"graphed_layers_match_plain_{tag}", _compare(False)),
+                (f"graphed_layers_cached_weights_match_plain_{tag}", _compare(True))])
+    ps.destroy()

@@ -203,30 +203,44 @@ class _EagerRunner(_Runner):
 
 
 class _GraphRunner(_Runner):
-    """Captured forward and backward CUDA graphs with static inputs, outputs and gradients."""
+    """Captured forward and backward CUDA graphs of one microbatch.
 
-    def capture_forward(self, sample_inputs: List[torch.Tensor], pool) -> None:
-        self.static_inputs = [x.detach().clone().requires_grad_(rg) for x, rg in zip(sample_inputs, self.requires_grad)]
+    Static buffers are shared so that graphs per microbatch do not multiply memory: inputs and outputs per
+    lifetime slot (microbatches of a callable that are never in flight together share one), gradient
+    buffers per callable (a backward's gradients are consumed before the callable's next backward). The
+    graphs copy their results into them; temporaries stay in the shared pool, where later captures reuse
+    them.
+    """
+
+    def capture_forward(self, static: "_SlotBuffers", pool) -> None:
+        self.static_inputs, self.static_outputs = static.inputs, static.outputs
         self.recorder = Recorder(self.device(), self.flag)
         self.fwd_graph = torch.cuda.CUDAGraph()
         for gen in self.generators:
             self.fwd_graph.register_generator_state(gen)
-        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph, pool=pool):
+        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
             outputs = self._record(self.static_inputs, self.recorder)
-        self._outputs_with_graph, spec, leaves, positions = _flatten_outputs(outputs)
+            flat, spec, leaves, positions = _flatten_outputs(outputs)
+            with torch.no_grad():
+                for buf, o in zip(self.static_outputs, flat):
+                    buf.copy_(o.detach())
+        self._outputs_with_graph = flat
         self.out_structure = (spec, leaves, positions)
 
-    def capture_backward(self, pool) -> None:
+    def capture_backward(self, shared: "_GradBuffers", pool) -> None:
         outs = self._outputs_with_graph
-        self.static_grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outs]
+        self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
         self.bwd_graph = torch.cuda.CUDAGraph()
         for gen in self.generators:
             self.bwd_graph.register_generator_state(gen)
-        with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool):
+        with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
             grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
-        self.static_grads = [g.detach() if g is not None else None for g in grads]
-        self.static_outputs = [o.detach() for o in outs]  # releases the captured autograd graph
-        del self._outputs_with_graph
+            with torch.no_grad():
+                for buf, g in zip(self.static_grads, grads):
+                    if buf is not None and g is not None:
+                        buf.copy_(g)
+            del grads
+        del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 
     def forward(self, inputs: List[torch.Tensor]):
         for dst, src in zip(self.static_inputs, inputs):
@@ -241,6 +255,46 @@ class _GraphRunner(_Runner):
                 dst.copy_(src) if src is not None else dst.zero_()
         self.bwd_graph.replay()
         return self.static_grads  # the held tensors themselves: autograd copies them instead of stealing
+
+
+@dataclasses.dataclass
+class _SlotBuffers:
+    inputs: List[torch.Tensor]
+    outputs: List[torch.Tensor]
+
+
+@dataclasses.dataclass
+class _GradBuffers:
+    grad_outputs: List[Optional[torch.Tensor]]
+    grads: List[Optional[torch.Tensor]]
+
+
+def _lifetime_slots(order: List[int], microbatches: int) -> Tuple[Dict[Tuple[int, int], int], Dict[int, int]]:
+    """Per (chunk, microbatch) a buffer slot such that microbatches in flight together (forward run, backward
+    not yet) have different slots; and the number of slots per chunk."""
+    slot_of: Dict[Tuple[int, int], int] = {}
+    free: Dict[int, List[int]] = {}
+    count: Dict[int, int] = {}
+    fwd: Dict[int, int] = {}
+    bwd: Dict[int, int] = {}
+    for step in order:
+        c = abs(step) - 1
+        if step > 0:
+            mb = fwd.get(c, 0)
+            fwd[c] = mb + 1
+            slots = free.setdefault(c, [])
+            if slots:
+                slots.sort()
+                slot = slots.pop(0)
+            else:
+                slot = count.get(c, 0)
+                count[c] = slot + 1
+            slot_of[(c, mb)] = slot
+        else:
+            mb = bwd.get(c, 0)
+            bwd[c] = mb + 1
+            free.setdefault(c, []).append(slot_of[(c, mb)])
+    return slot_of, count
 
 
 class _Flight:
@@ -469,10 +523,12 @@ def make_graphed_callables(
     try:
         cached_weights = _warm_up(entries, num_warmup_iters, graphs)
         if graphs:
-            _capture(entries, order, layers, pool if pool is not None else torch.cuda.graph_pool_handle())
+            _capture(entries, order, layers, microbatches, pool if pool is not None else torch.cuda.graph_pool_handle())
     finally:
         _restore_fp8_state(metas, saved)
     for e in entries:
+        e.pop("warm_outputs", None)
+        e.pop("warm_grads", None)
         for r in e["runners"]:
             del r.sample
 
@@ -510,7 +566,8 @@ def _expand_samples(samples: list, what: str, num_funcs: int, microbatches: int,
 
 def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Tensor]]:
     """Eager forward/backward passes (microbatch 0's samples) under recording scopes; returns the weights each
-    callable casts under its weight-caching flag."""
+    callable casts under its weight-caching flag, and stores in each entry the outputs and gradients of its
+    last pass (their shapes size the static buffers)."""
     cached: Dict[int, List[torch.Tensor]] = {}
     stream = torch.cuda.Stream() if graphs else None
     if graphs:
@@ -526,16 +583,34 @@ def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Te
                 with torch.enable_grad():
                     outputs = runner._record(inputs, recorder)
                 flat = _flatten_outputs(outputs)[0]
-                runner._grads(flat, inputs, [torch.ones_like(o) if o.requires_grad else None for o in flat])
+                grads = runner._grads(flat, inputs, [torch.ones_like(o) if o.requires_grad else None for o in flat])
                 cached[i] = _unique(recorder.cached_weights)
+            e["warm_outputs"] = [o.detach() for o in flat]
+            e["warm_grads"] = [g.detach() if g is not None else None for g in grads]
     if graphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
     return cached
 
 
-def _capture(entries: list, order: List[int], layers: int, pool) -> None:
-    """Forward and backward graphs in `order`, all into `pool`."""
+def _capture(entries: list, order: List[int], layers: int, microbatches: int, pool) -> None:
+    """Forward and backward graphs in `order`, all into `pool`, with shared static buffers."""
+    slot_of, _ = _lifetime_slots(order, microbatches)
+    slot_buffers: Dict[Tuple[int, int], _SlotBuffers] = {}
+    grad_buffers: Dict[int, _GradBuffers] = {}
+    for i, e in enumerate(entries):
+        outs = e.pop("warm_outputs")
+        grads = e.pop("warm_grads")
+        grad_buffers[i] = _GradBuffers(
+            [torch.empty_like(o) if o.requires_grad else None for o in outs],
+            [torch.empty_like(g) if g is not None else None for g in grads])
+        chunk = i // layers
+        for (c, mb), slot in slot_of.items():
+            if c == chunk and (i, slot) not in slot_buffers:
+                runner = e["runners"][mb]
+                slot_buffers[(i, slot)] = _SlotBuffers(
+                    [x.detach().clone().requires_grad_(rg) for x, rg in zip(runner.sample, runner.requires_grad)],
+                    [torch.empty_like(o) for o in outs])
     torch.cuda.synchronize()
     fwd_next: Dict[int, int] = {}
     bwd_next: Dict[int, int] = {}
@@ -547,12 +622,16 @@ def _capture(entries: list, order: List[int], layers: int, pool) -> None:
             fwd_next[chunk] = mb + 1
             for i in ids:
                 runner = entries[i]["runners"][mb]
-                runner.capture_forward(runner.sample, pool)
+                static = slot_buffers[(i, slot_of[(chunk, mb)])]
+                for buf, x in zip(static.inputs, runner.sample):  # this microbatch's sample values
+                    with torch.no_grad():
+                        buf.copy_(x)
+                runner.capture_forward(static, pool)
         else:
             mb = bwd_next.get(chunk, 0)
             bwd_next[chunk] = mb + 1
             for i in reversed(ids):
-                entries[i]["runners"][mb].capture_backward(pool)
+                entries[i]["runners"][mb].capture_backward(grad_buffers[i], pool)
     torch.cuda.synchronize()
 
 

@@ -34,7 +34,11 @@ class FP8Meta(torch.nn.Module):
         self.storage_id = next(_ALLOCATIONS)  # changes whenever the buffers are replaced (cached addresses)
 
     def _apply(self, fn, recurse=True):
+        before = dict(self._buffers)
         out = super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():  # a dtype cast of the model (e.g. megatron's Float16Module
+            if buf is not None and buf.dtype != before[name].dtype:  # calling .bfloat16()) keeps FP8 state exact
+                self._buffers[name] = before[name].to(buf.device)
         self.storage_id = next(_ALLOCATIONS)
         return out
 

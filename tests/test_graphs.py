@@ -192,3 +192,24 @@ def test_megatron_schedule_drives_graphed_layers_tp2_pp2_vpp2():
     """megatron's interleaved schedule with the forward-step adapter matches the plain model exactly."""
     launch("graph_checks.py", 4, ["2", "2", "2"], timeout=400, expect_checks=[
         "graphed_layers_match_plain_tp2_pp2_vpp2", "graphed_layers_cached_weights_match_plain_tp2_pp2_vpp2"])
+
+
+def test_static_buffers_are_shared_by_microbatches_not_in_flight_together():
+    from fp8_parallel.graphs import _lifetime_slots
+
+    slot_of, count = _lifetime_slots(capture_order(8, 1, 0), 8)  # no pipeline: one microbatch at a time
+    assert count == {0: 1} and set(slot_of.values()) == {0}
+    order = capture_order(4, 2, 0, vpp_size=2)  # [1,1,2,2,1,-2,1,-2,2,-1,2,-1,-2,-2,-1,-1]
+    slot_of, count = _lifetime_slots(order, 4)
+    assert count == {0: 4, 1: 2}
+    in_flight = {}
+    fwd, bwd = {}, {}
+    for step in order:  # no two microbatches in flight together share a slot
+        c = abs(step) - 1
+        if step > 0:
+            mb = fwd[c] = fwd.get(c, -1) + 1
+            assert slot_of[(c, mb)] not in in_flight.setdefault(c, set())
+            in_flight[c].add(slot_of[(c, mb)])
+        else:
+            mb = bwd[c] = bwd.get(c, -1) + 1
+            in_flight[c].remove(slot_of[(c, mb)])

@@ -67,3 +67,21 @@ def test_gpt_layer_spec_options():
     assert get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True).submodules.mlp.submodules.experts.module is FP8GroupedMLP
     with pytest.raises(ValueError, match="normalization='BatchNorm'"):
         get_gpt_layer_spec(normalization="BatchNorm")
+
+
+def test_fp8_state_stays_exact_float32_when_the_model_is_cast():
+    """megatron's Float16Module calls `.bfloat16()` on the model; the FP8 histories and scales must not be
+    rounded to bf16."""
+    torch.manual_seed(2)
+    lin = fp.Linear(32, 32)
+    with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4)):
+        lin(torch.randn(8, 32) * 3.3)
+    with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4)):
+        lin(torch.randn(8, 32) * 3.3)
+    before = {k: v.clone() for k, v in lin.fp8.state_dict().items()}
+    assert before["fwd.scale"].ne(1).any()
+    lin.bfloat16()
+    assert lin.weight.dtype == torch.bfloat16
+    after = lin.fp8.state_dict()
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k

@@ -64,7 +64,11 @@ def _build(cfg):
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage), **stage,
         )
-        chunks.append(chunk.cuda() if GPU else chunk)
+        if GPU:  # as megatron trains in bf16: inputs cast to bf16 on the first stage, loss back to fp32
+            from megatron.core.transformer.module import Float16Module
+
+            chunk = Float16Module(cfg, chunk.cuda())
+        chunks.append(chunk)
     return chunks
 
 

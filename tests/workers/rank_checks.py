@@ -24,6 +24,10 @@ def run_checks(checks: Sequence[Check], group_getter: Callable[[], dist.ProcessG
     failures with their traceback, and exits 1 on every rank if any rank failed.
     """
     rank = dist.get_rank()
+    if os.environ.get("FP8P_DUMP_STACKS_AFTER"):  # diagnose a hang: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["FP8P_DUMP_STACKS_AFTER"]), exit=True)
     failed_any = False
     for name, fn in checks:
         local_failed = 0

@@ -585,7 +585,7 @@ def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Te
                 flat = _flatten_outputs(outputs)[0]
                 grads = runner._grads(flat, inputs, [torch.ones_like(o) if o.requires_grad else None for o in flat])
                 cached[i] = _unique(recorder.cached_weights)
-            e["warm_outputs"] = [o.detach() for o in flat]
+            e["warm_outputs"] = [o.detach().requires_grad_(o.requires_grad) for o in flat]
             e["warm_grads"] = [g.detach() if g is not None else None for g in grads]
     if graphs:
         torch.cuda.current_stream().wait_stream(stream)

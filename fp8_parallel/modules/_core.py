@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..scopes import current_scope
@@ -155,18 +156,28 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8):
+    def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group):
         fmt = plan.recipe.fp8_format
         x2 = x.reshape(-1, x.shape[-1])
         slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
         scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
         fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
-        # one fused pass writes the FP8 input and its transpose; only the transpose (1 byte/element) is kept
-        # for the wgrad GEMM, the row-major copy is freed after fprop
-        qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
+        ctx.sp_group = sp_group
+        out_shape = x.shape[:-1]
+        if sp_group is None:
+            # one fused pass writes the FP8 input and its transpose; only the transpose (1 byte/element) is
+            # kept for the wgrad GEMM, the row-major copy is freed after fprop
+            qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
+            qx_t = qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None
+        else:
+            # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
+            qx = _all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
+            qx_t = qx.transpose_2d()._data if fp8_wgrad else None
+            out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
+        qx_sinv = qx._scale_inv
+        del qx  # the row-major FP8 input is not needed past fprop
         ctx.wgrad_in_fp8 = wgrad_in_fp8
-        qx_t = qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None
         hp_x = x2.detach() if not wgrad_in_fp8 and weight.requires_grad else None  # megatron's fp8_wgrad=False
         # dgrad operand: the weight's FP8 transpose. A cached or FP8 weight has it already; a fresh cast is
         # not held from forward to backward (1 byte per parameter across the whole model) but re-cast there
@@ -186,12 +197,12 @@ class _FP8Linear(torch.autograd.Function):
         ctx.cached_weight = (qw_t, qw_sinv) if qweight is state.weight_fp8 else None
         if ctx.cached_weight is not None:
             qw_t = qw_sinv = None
-        ctx.save_for_backward(qx_t, qx._scale_inv, qw_t, qw_sinv, hp_x,
+        ctx.save_for_backward(qx_t, qx_sinv, qw_t, qw_sinv, hp_x,
                               weight if ctx.recast_weight else None, w_scale)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.state, ctx.plan = state, plan
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y.reshape(*out_shape, y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -207,7 +218,10 @@ class _FP8Linear(torch.autograd.Function):
         fp8_wgrad = ctx.wgrad_in_fp8 and ctx.needs_input_grad[1]
         qg = _cast(g2, plan.recipe, state.bwd.scale if delayed else None, slot, fmt.backward_dtype,
                    with_transpose=fp8_wgrad)
+        qg_t = qg.transpose_2d(update_cache=False) if fp8_wgrad else None
         grad_x = grad_w = grad_b = None
+        # dgrad first; its operands (the row-major grad cast, the weight's transpose) are released before the
+        # wgrad GEMM allocates the weight gradient, so the two sets never coexist (lower peak memory)
         if ctx.needs_input_grad[0]:
             if ctx.recast_weight:
                 if w_scale is None:
@@ -218,18 +232,54 @@ class _FP8Linear(torch.autograd.Function):
                 qw_transposed = quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype)
             else:
                 qw_transposed = Float8Tensor(qw_t, qw_sinv, ctx.w_dtype)
-            grad_x = fp8_gemm(qg, qw_transposed, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = fp8_gemm(qg, qw_transposed, out_dtype=ctx.x_dtype)
+            if ctx.sp_group is not None:  # the gathered input's gradient: reduce-scatter over the sequence
+                grad_x = _reduce_scatter_rows(grad_x, ctx.sp_group)
+            grad_x = grad_x.reshape(ctx.x_shape)
+            del qw_transposed
+        del qg, qw_t, weight
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
                 qx_transposed = Float8Tensor(qx_t, qx_sinv, ctx.x_dtype)
-                grad_w = fp8_gemm(qg.transpose_2d(update_cache=False), qx_transposed, out_dtype=ctx.w_dtype)
+                grad_w = fp8_gemm(qg_t, qx_transposed, out_dtype=ctx.w_dtype)
+                del qg_t, qx_transposed, qx_t
             else:
                 grad_w = (g2.t().float() @ hp_x.float()).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.w_dtype)
         if plan.counts_backward and key is not None:
             key.backward_ran()
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _all_gather_fp8(local: Float8Tensor, group) -> Float8Tensor:
+    """All-gather an FP8 tensor's rows over `group` as uint8 bytes (every rank cast with the same scale)."""
+    data = local._data.reshape(-1, local._data.shape[-1])
+    full = torch.empty((data.shape[0] * dist.get_world_size(group), data.shape[1]), dtype=torch.uint8,
+                       device=data.device)
+    dist.all_gather_into_tensor(full, data.view(torch.uint8).contiguous(), group=group)
+    return Float8Tensor(full.view(data.dtype), local._scale_inv, local.dtype)
+
+
+def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+_SCALES_SHARED: Dict[Tuple[int, int], bool] = {}  # (scope group, SP group) -> SP ranks within the amax domain
+
+
+def _scales_shared_over(scope_group, sp_group) -> bool:
+    """Whether every rank of `sp_group` reduces amaxes with this rank (then all of them hold the same delayed
+    scales, and shards cast separately gather into one correctly scaled FP8 tensor)."""
+    if scope_group is None:
+        return False
+    key = (id(scope_group), id(sp_group))
+    if key not in _SCALES_SHARED:
+        domain = set(dist.get_process_group_ranks(scope_group))
+        _SCALES_SHARED[key] = set(dist.get_process_group_ranks(sp_group)) <= domain
+    return _SCALES_SHARED[key]
 
 
 def fp8_linear(
@@ -239,15 +289,28 @@ def fp8_linear(
     state: FP8State,
     is_first_microbatch: Optional[bool] = None,
     wgrad_in_fp8: bool = True,
+    sp_group: Optional[dist.ProcessGroup] = None,
+    hp_gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias`, in FP8 inside an enabled autocast scope and in high precision otherwise.
+
+    `sp_group`: `x` is this rank's sequence shard, to be all-gathered over the group before the GEMM (its
+    gradient reduce-scattered). With delayed scaling, when the scope's amax domain covers the group (so the
+    scales agree), the shard is cast first and FP8 bytes are gathered; otherwise `hp_gather(x)` (an
+    autograd-aware high-precision gather) runs first.
 
     `is_first_microbatch`: True casts the weight and caches the cast, False reuses the cache (gradient
     accumulation over microbatches), None casts every call and caches nothing.
     """
     plan = _plan(state)
+    fp8_gather = (
+        sp_group is not None and plan is not None and plan.forward_scale is not None and wgrad_in_fp8
+        and plan.key_state is not None and _scales_shared_over(plan.key_state.group, sp_group)
+    )
+    if sp_group is not None and not fp8_gather:
+        x = hp_gather(x)
     if plan is None:
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
-    return _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8)
+    return _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group if fp8_gather else None)

@@ -2,9 +2,10 @@
 
 They subclass megatron's layers, so constructor signatures, parameters (with their tensor-parallel
 attributes), `(output, bias)` returns, `sharded_state_dict` and the tensor/sequence-parallel communication
-are megatron's own; only the local GEMMs change. Communication stays in high precision, through megatron's
-autograd-aware mappings: sequence parallel all-gathers the input before the GEMM and reduce-scatters its
-gradient; plain TP all-reduces the input gradient (column) or the output (row, in megatron's forward).
+are megatron's own; only the local GEMMs change. Communication goes through megatron's autograd-aware
+mappings (plain TP all-reduces the input gradient (column) or the output (row, in megatron's forward)),
+except the sequence-parallel all-gather of a column-parallel input under delayed scaling: the shard is cast
+first and FP8 bytes are gathered (its gradient is reduce-scattered in high precision, as megatron does).
 """
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ def _wgrad_in_fp8(config) -> bool:
 
 
 class ColumnParallelLinear(mtp.ColumnParallelLinear):
-    """megatron-core `ColumnParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope."""
+    """megatron-core `ColumnParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope.
+
+    With sequence parallelism and delayed scaling the input shard is cast to FP8 before the all-gather and
+    FP8 bytes travel (half of bf16's); set `fp8_input_gather = False` to gather in high precision.
+    """
+
+    fp8_input_gather: bool = True
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
@@ -55,6 +62,10 @@ class ColumnParallelLinear(mtp.ColumnParallelLinear):
 
     def _forward_impl(self, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, **_):
         if sequence_parallel:
+            if self.fp8_input_gather:  # FP8 bytes where the scales allow it, else megatron's bf16 gather
+                return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config),
+                                  sp_group=tp_group, hp_gather=lambda t: gather_from_sequence_parallel_region(
+                                      t, tensor_parallel_output_grad=True, group=tp_group))
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)

@@ -129,6 +129,54 @@ def check_tp_matches_single_rank(sp: bool):
     return check
 
 
+def check_sp_fp8_gather_equals_bf16_gather():
+    """Sequence parallel with delayed scaling gathers FP8 bytes (uint8) instead of bf16: outputs, gradients
+    and FP8 state are bitwise those of the high-precision gather; a scope whose amax domain does not cover TP
+    (scales could differ between shards) gathers in high precision."""
+    config = _mlp_config(True)
+    torch.manual_seed(test_seed() % 1000)
+    fc1, fc2 = _tp_mlp(config)
+    ref1, ref2 = _tp_mlp(config)
+    ref1.load_state_dict(fc1.state_dict())
+    ref2.load_state_dict(fc2.state_dict())
+    ref1.fp8_input_gather = False
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    gathered = []
+    original = dist.all_gather_into_tensor
+
+    def counting(out, inp, *args, **kwargs):
+        gathered.append(out.dtype)
+        return original(out, inp, *args, **kwargs)
+
+    gen = torch.Generator().manual_seed(test_seed())
+    dist.all_gather_into_tensor = counting
+    try:
+        for step in range(3):
+            x = torch.randn(TOKENS // 2, 2, D, generator=gen)
+            for p in [*fc1.parameters(), *fc2.parameters(), *ref1.parameters(), *ref2.parameters()]:
+                p.grad = None
+            gathered.clear()
+            y, gx = _run_tp(fc1, fc2, x, True, recipe)
+            assert gathered and all(d == torch.uint8 for d in gathered), gathered
+            gathered.clear()
+            yr, gxr = _run_tp(ref1, ref2, x, True, recipe)
+            assert torch.uint8 not in gathered, gathered  # (megatron gathers through its own binding)
+            assert torch.equal(y, yr) and torch.equal(gx, gxr), step
+            for a, b in zip([*fc1.parameters(), *fc2.parameters()], [*ref1.parameters(), *ref2.parameters()]):
+                assert torch.equal(a.grad, b.grad), step
+            for a, b in zip([*fc1.fp8.state_dict().values(), *fc2.fp8.state_dict().values()],
+                            [*ref1.fp8.state_dict().values(), *ref2.fp8.state_dict().values()]):
+                assert torch.equal(a, b), step
+        gathered.clear()
+        x = torch.randn(TOKENS // 2, 2, D, generator=gen)
+        own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+        with ps.cpu_compat(), fp.autocast(recipe=recipe, group=own):  # amaxes not shared over TP: scales may differ
+            fc1(x.chunk(2, dim=0)[ps.get_rank("tp")])
+        assert torch.uint8 not in gathered, gathered
+    finally:
+        dist.all_gather_into_tensor = original
+
+
 def check_weight_caching():
     config = _mlp_config(False)
     torch.manual_seed(1)
@@ -454,6 +502,7 @@ if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that
         checks = [
             ("tp2_matches_single_rank", check_tp_matches_single_rank(False)),
             ("tp2_sp_matches_single_rank", check_tp_matches_single_rank(True)),
+            ("sp_fp8_gather_equals_bf16_gather", check_sp_fp8_gather_equals_bf16_gather),
             ("weight_caching", check_weight_caching),
             ("state_dict_tp2_to_tp1", check_state_dict_round_trip_and_tp2_to_tp1),
         ]

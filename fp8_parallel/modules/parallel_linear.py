@@ -3,9 +3,9 @@
 They subclass megatron's layers, so constructor signatures, parameters (with their tensor-parallel
 attributes), `(output, bias)` returns, `sharded_state_dict` and the tensor/sequence-parallel communication
 are megatron's own; only the local GEMMs change. Communication goes through megatron's autograd-aware
-mappings (plain TP all-reduces the input gradient (column) or the output (row, in megatron's forward)),
-except the sequence-parallel all-gather of a column-parallel input under delayed scaling: the shard is cast
-first and FP8 bytes are gathered (its gradient is reduce-scattered in high precision, as megatron does).
+mappings (plain TP all-reduces the input gradient (column) or the output (row, in megatron's forward)). A
+column-parallel layer can instead gather its sequence-parallel input as FP8 bytes (`fp8_input_gather`); its
+gradient is then reduce-scattered in high precision, as megatron does.
 """
 from __future__ import annotations
 
@@ -42,11 +42,13 @@ def _wgrad_in_fp8(config) -> bool:
 class ColumnParallelLinear(mtp.ColumnParallelLinear):
     """megatron-core `ColumnParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope.
 
-    With sequence parallelism and delayed scaling the input shard is cast to FP8 before the all-gather and
-    FP8 bytes travel (half of bf16's); set `fp8_input_gather = False` to gather in high precision.
+    `fp8_input_gather = True` (off by default): with sequence parallelism and delayed scaling, cast the input
+    shard to FP8 before the all-gather, so FP8 bytes travel (half of bf16's), when the scope's amax domain
+    covers TP. It pays only where the link is slow: on two NVLink-connected H200s the extra transpose pass
+    after the gather cost more than the halved traffic saved (docs/benchmarks.md).
     """
 
-    fp8_input_gather: bool = True
+    fp8_input_gather: bool = False
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)

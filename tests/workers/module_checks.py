@@ -139,7 +139,8 @@ def check_sp_fp8_gather_equals_bf16_gather():
     ref1, ref2 = _tp_mlp(config)
     ref1.load_state_dict(fc1.state_dict())
     ref2.load_state_dict(fc2.state_dict())
-    ref1.fp8_input_gather = False
+    assert not ref1.fp8_input_gather  # off by default
+    fc1.fp8_input_gather = True
     recipe = fp.DelayedScaling(amax_history_len=4)
     gathered = []
     original = dist.all_gather_into_tensor

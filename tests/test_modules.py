@@ -86,3 +86,33 @@ def test_fp8_state_stays_exact_float32_when_the_model_is_cast():
     after = lin.fp8.state_dict()
     for k, v in before.items():
         assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+
+
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(amax_history_len=4), fp.CurrentScaling()])
+def test_leaf_input_is_kept_by_reference_and_recast_in_backward(recipe):
+    """A leaf input (held by the caller anyway) is not copied to FP8 for backward; the transpose is re-cast
+    there with the forward's scale, so results are bitwise those of the saved-FP8-copy path."""
+    torch.manual_seed(5)
+    fp8_types = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def run(leaf: bool):
+        lin = fp.Linear(64, 48)
+        lin.load_state_dict(ref_state)
+        base = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)) * 2.5
+        x = base.clone().requires_grad_() if leaf else (base.clone().requires_grad_() * 1.0)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+            with fp.autocast(recipe=recipe):
+                y = lin(x)[0]
+        y.backward(torch.randn(32, 48, generator=torch.Generator().manual_seed(2)))
+        fp8_input_copies = [t for t in saved if t.dtype in fp8_types and t.numel() == x.numel()]
+        return y, lin.weight.grad, lin.fp8.state_dict(), fp8_input_copies, any(t is x or t.data_ptr() == x.data_ptr() for t in saved)
+
+    ref_state = fp.Linear(64, 48).state_dict()
+    y1, g1, s1, copies1, ref1 = run(leaf=True)
+    y2, g2, s2, copies2, ref2 = run(leaf=False)
+    assert not copies1 and ref1  # leaf: a reference, no FP8 copy
+    assert copies2 and not ref2  # non-leaf: the 1-byte FP8 transpose only
+    assert torch.equal(y1, y2) and torch.equal(g1, g2)
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k

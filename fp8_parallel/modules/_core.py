@@ -114,6 +114,16 @@ def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noo
     return quantize(x, scale, fp8_dtype, amax_out=slot, out=out, with_transpose=with_transpose, noop_flag=noop_flag)
 
 
+def _input_scale(x: torch.Tensor, recipe: Recipe, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The scale an input is cast with, kept for a re-cast in backward: a copy of the delayed scale (the
+    scope's update may rewrite the buffer before backward), or the input's current scale."""
+    if isinstance(recipe, CurrentScaling):
+        from ..recipe import fp8_max
+
+        return current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), recipe.eps).reshape(1)
+    return scale.clone()
+
+
 def cast_weight(
     weight: torch.Tensor, state: FP8State, plan: _Plan, is_first_microbatch: Optional[bool]
 ) -> Float8Tensor:
@@ -164,7 +174,15 @@ class _FP8Linear(torch.autograd.Function):
         fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
         ctx.sp_group = sp_group
         out_shape = x.shape[:-1]
-        if sp_group is None:
+        # a leaf input (a batch, a pipeline stage's received activation, a graph's static input) stays alive
+        # anyway: keep a reference and re-cast its transpose in backward with the forward's scale (the same
+        # bytes) instead of holding a second, FP8 copy from forward to backward
+        x_ref = x_scale = None
+        if sp_group is None and fp8_wgrad and x.grad_fn is None:
+            x_ref, x_scale = x, _input_scale(x2, plan.recipe, scale, fmt.forward_dtype)
+            qx = _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype)
+            qx_t = None
+        elif sp_group is None:
             # one fused pass writes the FP8 input and its transpose; only the transpose (1 byte/element) is
             # kept for the wgrad GEMM, the row-major copy is freed after fprop
             qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
@@ -198,7 +216,7 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.cached_weight is not None:
             qw_t = qw_sinv = None
         ctx.save_for_backward(qx_t, qx_sinv, qw_t, qw_sinv, hp_x,
-                              weight if ctx.recast_weight else None, w_scale)
+                              weight if ctx.recast_weight else None, w_scale, x_ref, x_scale)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.state, ctx.plan = state, plan
@@ -206,7 +224,7 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_t, qx_sinv, qw_t, qw_sinv, hp_x, weight, w_scale = ctx.saved_tensors
+        qx_t, qx_sinv, qw_t, qw_sinv, hp_x, weight, w_scale, x_ref, x_scale = ctx.saved_tensors
         if ctx.cached_weight is not None:
             qw_t, qw_sinv = ctx.cached_weight
         state, plan = ctx.state, ctx.plan
@@ -240,6 +258,9 @@ class _FP8Linear(torch.autograd.Function):
         del qg, qw_t, weight
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
+                if x_ref is not None:
+                    x_ref = x_ref.detach()
+                    qx_t = quantize_transposed(x_ref.reshape(-1, x_ref.shape[-1]), x_scale, fmt.forward_dtype)._data
                 qx_transposed = Float8Tensor(qx_t, qx_sinv, ctx.x_dtype)
                 grad_w = fp8_gemm(qg_t, qx_transposed, out_dtype=ctx.w_dtype)
                 del qg_t, qx_transposed, qx_t

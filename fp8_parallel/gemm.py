@@ -84,7 +84,7 @@ def fp8_gemm(
         FP8GemmShapeError: a layout, alignment or dtype pair the GPU refuses.
     """
     _check(a, b)
-    (m, k), n = a._data.shape, b._data.shape[0]
+    k, n = a._data.shape[1], b._data.shape[0]
     a_data, b_data = a._data, b._data
     if k % ALIGN or n % ALIGN:
         if not pad:

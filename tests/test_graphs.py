@@ -195,7 +195,7 @@ def test_megatron_schedule_drives_graphed_layers_tp2_pp2_vpp2():
 
 
 def test_static_buffers_are_shared_by_microbatches_not_in_flight_together():
-    from fp8_parallel.graphs import _lifetime_slots
+    from fp8_parallel.graphs.runners import _lifetime_slots
 
     slot_of, count = _lifetime_slots(capture_order(8, 1, 0), 8)  # no pipeline: one microbatch at a time
     assert count == {0: 1} and set(slot_of.values()) == {0}

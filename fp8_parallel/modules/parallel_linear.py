@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from megatron.core import tensor_parallel as mtp
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,

@@ -4,7 +4,6 @@ Usage (under torchrun, 4 ranks): gpt_cpu_checks.py   -> PP2 x DP2, EP2 for the M
 """
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.distributed as dist

@@ -412,7 +412,6 @@ def check_ep2_moe_matches_unsharded_experts(grouped: bool):
       """MoE layer with EP=2 (4 ranks: expert-DP 2) vs all experts computed locally with the same weights and
       scales: outputs, input grads, expert weight grads (summed over the expert's EP group), and expert amaxes
       reduced over the expert domain only."""
-      from megatron.core import parallel_state as mpu
       from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
       from megatron.core.transformer.moe.moe_layer import MoELayer
       from megatron.core.transformer.transformer_config import TransformerConfig

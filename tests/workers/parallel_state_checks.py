@@ -4,7 +4,6 @@ Usage (under torchrun): parallel_state_checks.py TP PP VPP EP   (VPP 0 = none)
 """
 from __future__ import annotations
 
-import itertools
 import sys
 
 import torch

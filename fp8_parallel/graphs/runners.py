@@ -1,0 +1,179 @@
+"""One callable for one microbatch: captured forward/backward CUDA graphs or eager execution, with the same
+recording; their shared static buffers; the autograd function that replays them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..recipe import Recipe
+from ..scopes import Recorder, recording_scope
+from .arguments import _flatten_outputs, _Signature
+from .recording import _register_backward
+
+
+class _Runner:
+    """Forward and backward of one callable for one microbatch (the common part of graph and eager)."""
+
+    def __init__(self, func: Callable, params: Tuple[torch.nn.Parameter, ...], signature: _Signature,
+                 requires_grad: List[bool], fp8_enabled: bool, recipe: Optional[Recipe],
+                 flag: Optional[torch.Tensor], allow_unused_input: bool):
+        self.func, self.params, self.signature = func, params, signature
+        self.requires_grad = requires_grad
+        self.fp8_enabled, self.recipe, self.flag = fp8_enabled, recipe, flag
+        self.allow_unused_input = allow_unused_input
+
+    def _record(self, inputs: List[torch.Tensor], recorder: Recorder):
+        args, kwargs = self.signature.rebuild(inputs)
+        with recording_scope(recorder, self.fp8_enabled, self.recipe):
+            return self.func(*args, **kwargs)
+
+    def _grads(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], grad_outputs: List[Optional[torch.Tensor]]):
+        outs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+        wrt = [i for i, rg in zip(inputs, self.requires_grad) if rg] + list(self.params)
+        grads = torch.autograd.grad([o for o, _ in outs], wrt, [g for _, g in outs], only_inputs=True,
+                                    allow_unused=self.allow_unused_input) if outs and wrt else [None] * len(wrt)
+        it = iter(grads)
+        by_input = [next(it) if rg else None for rg in self.requires_grad]
+        return by_input + [next(it) for _ in self.params]
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _EagerRunner(_Runner):
+    """Runs the callable eagerly on every call (no CUDA), with the same recording and registration."""
+
+    def forward(self, inputs: List[torch.Tensor]):
+        detached = [x.detach().requires_grad_(rg) for x, rg in zip(inputs, self.requires_grad)]
+        recorder = Recorder(self.device(), self.flag)
+        with torch.enable_grad():
+            outputs = self._record(detached, recorder)
+        flat, spec, leaves, positions = _flatten_outputs(outputs)
+        state = (flat, detached)
+        return flat, (spec, leaves, positions), recorder, state
+
+    def backward(self, state, grad_outputs):
+        flat, detached = state
+        with torch.enable_grad():
+            return self._grads(flat, detached, grad_outputs)
+
+
+class _GraphRunner(_Runner):
+    """Captured forward and backward CUDA graphs of one microbatch.
+
+    Static buffers are shared so that graphs per microbatch do not multiply memory: inputs and outputs per
+    lifetime slot (microbatches of a callable that are never in flight together share one), gradient
+    buffers per callable (a backward's gradients are consumed before the callable's next backward). The
+    graphs copy their results into them; temporaries stay in the shared pool, where later captures reuse
+    them.
+    """
+
+    def capture_forward(self, static: "_SlotBuffers", pool) -> None:
+        self.static_inputs, self.static_outputs = static.inputs, static.outputs
+        self.recorder = Recorder(self.device(), self.flag)
+        self.fwd_graph = torch.cuda.CUDAGraph()
+        for gen in self.generators:
+            self.fwd_graph.register_generator_state(gen)
+        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = self._record(self.static_inputs, self.recorder)
+            flat, spec, leaves, positions = _flatten_outputs(outputs)
+            with torch.no_grad():
+                for buf, o in zip(self.static_outputs, flat):
+                    buf.copy_(o.detach())
+        self._outputs_with_graph = flat
+        self.out_structure = (spec, leaves, positions)
+
+    def capture_backward(self, shared: "_GradBuffers", pool) -> None:
+        outs = self._outputs_with_graph
+        self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        for gen in self.generators:
+            self.bwd_graph.register_generator_state(gen)
+        with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
+            grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
+            with torch.no_grad():
+                for buf, g in zip(self.static_grads, grads):
+                    if buf is not None and g is not None:
+                        buf.copy_(g)
+            del grads
+        del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
+
+    def forward(self, inputs: List[torch.Tensor]):
+        for dst, src in zip(self.static_inputs, inputs):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.fwd_graph.replay()
+        return self.static_outputs, self.out_structure, self.recorder, None
+
+    def backward(self, state, grad_outputs):
+        for dst, src in zip(self.static_grad_outputs, grad_outputs):
+            if dst is not None:
+                dst.copy_(src) if src is not None else dst.zero_()
+        self.bwd_graph.replay()
+        return self.static_grads  # the held tensors themselves: autograd copies them instead of stealing
+
+
+@dataclasses.dataclass
+class _SlotBuffers:
+    inputs: List[torch.Tensor]
+    outputs: List[torch.Tensor]
+
+
+@dataclasses.dataclass
+class _GradBuffers:
+    grad_outputs: List[Optional[torch.Tensor]]
+    grads: List[Optional[torch.Tensor]]
+
+
+def _lifetime_slots(order: List[int], microbatches: int) -> Tuple[Dict[Tuple[int, int], int], Dict[int, int]]:
+    """Per (chunk, microbatch) a buffer slot such that microbatches in flight together (forward run, backward
+    not yet) have different slots; and the number of slots per chunk."""
+    slot_of: Dict[Tuple[int, int], int] = {}
+    free: Dict[int, List[int]] = {}
+    count: Dict[int, int] = {}
+    fwd: Dict[int, int] = {}
+    bwd: Dict[int, int] = {}
+    for step in order:
+        c = abs(step) - 1
+        if step > 0:
+            mb = fwd.get(c, 0)
+            fwd[c] = mb + 1
+            slots = free.setdefault(c, [])
+            if slots:
+                slots.sort()
+                slot = slots.pop(0)
+            else:
+                slot = count.get(c, 0)
+                count[c] = slot + 1
+            slot_of[(c, mb)] = slot
+        else:
+            mb = bwd.get(c, 0)
+            bwd[c] = mb + 1
+            free.setdefault(c, []).append(slot_of[(c, mb)])
+    return slot_of, count
+
+
+class _Flight:
+    """What one call hands from forward to backward."""
+
+    __slots__ = ("runner", "state", "pairs", "num_inputs")
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flight: _Flight, *inputs_and_params):
+        ctx.flight = flight
+        outputs, structure, recorder, state = flight.runner.forward(list(inputs_and_params[: flight.num_inputs]))
+        flight.state = (structure, recorder, state)
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        flight = ctx.flight
+        _, _, state = flight.state
+        grads = flight.runner.backward(state, list(grad_outputs))
+        _register_backward(flight.pairs)
+        flight.state = None
+        return (None, *grads)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from ..recipe import CurrentScaling, Recipe
 from ..scaling import current_scale
 from ..tensor import Float8Tensor
 from ._recompute import RecomputeQueue, Snapshot, in_backward, recompute_will_follow
+from ._sequence_parallel import all_gather_fp8, reduce_scatter_rows, scales_shared_over
 
 
 def history_len_of(config) -> Optional[int]:
@@ -189,7 +190,7 @@ class _FP8Linear(torch.autograd.Function):
             qx_t = qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None
         else:
             # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
-            qx = _all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
+            qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
             qx_t = qx.transpose_2d()._data if fp8_wgrad else None
             out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
@@ -252,7 +253,7 @@ class _FP8Linear(torch.autograd.Function):
                 qw_transposed = Float8Tensor(qw_t, qw_sinv, ctx.w_dtype)
             grad_x = fp8_gemm(qg, qw_transposed, out_dtype=ctx.x_dtype)
             if ctx.sp_group is not None:  # the gathered input's gradient: reduce-scatter over the sequence
-                grad_x = _reduce_scatter_rows(grad_x, ctx.sp_group)
+                grad_x = reduce_scatter_rows(grad_x, ctx.sp_group)
             grad_x = grad_x.reshape(ctx.x_shape)
             del qw_transposed
         del qg, qw_t, weight
@@ -271,36 +272,6 @@ class _FP8Linear(torch.autograd.Function):
         if plan.counts_backward and key is not None:
             key.backward_ran()
         return grad_x, grad_w, grad_b, None, None, None, None, None
-
-
-def _all_gather_fp8(local: Float8Tensor, group) -> Float8Tensor:
-    """All-gather an FP8 tensor's rows over `group` as uint8 bytes (every rank cast with the same scale)."""
-    data = local._data.reshape(-1, local._data.shape[-1])
-    full = torch.empty((data.shape[0] * dist.get_world_size(group), data.shape[1]), dtype=torch.uint8,
-                       device=data.device)
-    dist.all_gather_into_tensor(full, data.view(torch.uint8).contiguous(), group=group)
-    return Float8Tensor(full.view(data.dtype), local._scale_inv, local.dtype)
-
-
-def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
-    return out
-
-
-_SCALES_SHARED: Dict[Tuple[int, int], bool] = {}  # (scope group, SP group) -> SP ranks within the amax domain
-
-
-def _scales_shared_over(scope_group, sp_group) -> bool:
-    """Whether every rank of `sp_group` reduces amaxes with this rank (then all of them hold the same delayed
-    scales, and shards cast separately gather into one correctly scaled FP8 tensor)."""
-    if scope_group is None:
-        return False
-    key = (id(scope_group), id(sp_group))
-    if key not in _SCALES_SHARED:
-        domain = set(dist.get_process_group_ranks(scope_group))
-        _SCALES_SHARED[key] = set(dist.get_process_group_ranks(sp_group)) <= domain
-    return _SCALES_SHARED[key]
 
 
 def fp8_linear(
@@ -326,7 +297,7 @@ def fp8_linear(
     plan = _plan(state)
     fp8_gather = (
         sp_group is not None and plan is not None and plan.forward_scale is not None and wgrad_in_fp8
-        and plan.key_state is not None and _scales_shared_over(plan.key_state.group, sp_group)
+        and plan.key_state is not None and scales_shared_over(plan.key_state.group, sp_group)
     )
     if sp_group is not None and not fp8_gather:
         x = hp_gather(x)

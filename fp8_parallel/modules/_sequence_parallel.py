@@ -1,0 +1,40 @@
+"""Sequence-parallel communication of the FP8 linear: FP8 bytes gathered over the TP group, and when that is
+allowed (every rank of the group holds the same delayed scales)."""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..tensor import Float8Tensor
+
+
+def all_gather_fp8(local: Float8Tensor, group) -> Float8Tensor:
+    """All-gather an FP8 tensor's rows over `group` as uint8 bytes (every rank cast with the same scale)."""
+    data = local._data.reshape(-1, local._data.shape[-1])
+    full = torch.empty((data.shape[0] * dist.get_world_size(group), data.shape[1]), dtype=torch.uint8,
+                       device=data.device)
+    dist.all_gather_into_tensor(full, data.view(torch.uint8).contiguous(), group=group)
+    return Float8Tensor(full.view(data.dtype), local._scale_inv, local.dtype)
+
+
+def reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+_SCALES_SHARED: Dict[Tuple[int, int], bool] = {}  # (scope group, SP group) -> SP ranks within the amax domain
+
+
+def scales_shared_over(scope_group, sp_group) -> bool:
+    """Whether every rank of `sp_group` reduces amaxes with this rank (then all of them hold the same delayed
+    scales, and shards cast separately gather into one correctly scaled FP8 tensor)."""
+    if scope_group is None:
+        return False
+    key = (id(scope_group), id(sp_group))
+    if key not in _SCALES_SHARED:
+        domain = set(dist.get_process_group_ranks(scope_group))
+        _SCALES_SHARED[key] = set(dist.get_process_group_ranks(sp_group)) <= domain
+    return _SCALES_SHARED[key]

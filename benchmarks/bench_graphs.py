@@ -7,16 +7,14 @@ memory pool against the eager step's peak memory.
 """
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 import fp8_parallel as fp
-from common import bench_ms, dump, record
+from common import bench_ms, dump, record, run_on_two_gpus, slowest_rank_ms
 
 HIDDEN, LAYERS, SEQ, MBS, M = 1024, 8, 512, 1, 8
 RECIPE = fp.DelayedScaling(amax_history_len=16)
@@ -147,12 +145,11 @@ def bench_pp2(out: str) -> None:
     graphed = graph_megatron_layers(model, cfg, num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS,
                                     fp8_recipe=RECIPE, fp8_weight_caching=True)
     t_graph = timed_steps(graphed.forward_step(forward_step))
-    both = torch.tensor([t_eager, t_graph], device="cuda")
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)  # the step takes the slower stage's time
+    t_eager, t_graph = slowest_rank_ms(t_eager, t_graph)
     if torch.distributed.get_rank() == 0:
         case = f"PP2 GPT {LAYERS} layers h={HIDDEN} s={SEQ} x{M}"
-        record("graphs", f"{case} eager", "ms", both[0].item())
-        record("graphs", f"{case} graphed", "ms", both[1].item(), "eager step time", (both[0] / both[1]).item())
+        record("graphs", f"{case} eager", "ms", t_eager)
+        record("graphs", f"{case} graphed", "ms", t_graph, "eager step time", t_eager / t_graph)
         dump(out)
     ps.destroy()
 
@@ -164,7 +161,4 @@ if __name__ == "__main__":
         sys.exit(0)
     bench_single_gpu()
     dump(out)
-    if torch.cuda.device_count() >= 2:
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, out, "--pp2"],
-                       check=True, timeout=500, env=env)
+    run_on_two_gpus(__file__, out, "--pp2")

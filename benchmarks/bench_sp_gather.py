@@ -5,14 +5,12 @@ bf16 all-gather, forward + backward, delayed scaling.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import torch
 
 import fp8_parallel as fp
-from common import bench_ms, dump, record
+from common import bench_ms, dump, record, run_on_two_gpus, slowest_rank_ms
 
 SEQ, BATCH, HIDDEN, FFN = 8192, 1, 8192, 28672
 
@@ -43,12 +41,11 @@ def run(out: str) -> None:
     for fp8_gather in (False, True):
         fc1.fp8_input_gather = fp8_gather
         times[fp8_gather] = bench_ms(step, warmup=5, iters=30)
-    both = torch.tensor([times[False], times[True]], device="cuda")
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    t_bf16, t_fp8 = slowest_rank_ms(times[False], times[True])
     if torch.distributed.get_rank() == 0:
         case = f"TP2 SP column {HIDDEN}->{FFN} s={SEQ}"
-        record("sp_gather", f"{case} bf16 gather", "ms", both[0].item())
-        record("sp_gather", f"{case} fp8 gather", "ms", both[1].item(), "bf16 gather time", (both[0] / both[1]).item())
+        record("sp_gather", f"{case} bf16 gather", "ms", t_bf16)
+        record("sp_gather", f"{case} fp8 gather", "ms", t_fp8, "bf16 gather time", t_bf16 / t_fp8)
         dump(out)
     ps.destroy()
 
@@ -57,9 +54,5 @@ if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl"
     if "--worker" in sys.argv:
         run(out)
-    elif torch.cuda.device_count() >= 2:
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, out, "--worker"],
-                       check=True, timeout=300, env=env)
-    else:
+    elif not run_on_two_gpus(__file__, out, "--worker", timeout=300):
         print("bench_sp_gather: needs 2 GPUs; skipped")

@@ -62,3 +62,23 @@ def dump(path: str) -> None:
     with open(path, "a") as f:
         for row in RESULTS:
             f.write(json.dumps(row) + "\n")
+
+
+def run_on_two_gpus(script: str, out: str, flag: str, timeout: float = 500) -> bool:
+    """Start `script out flag` under torchrun with 2 ranks (NVLink multicast off); False without 2 GPUs."""
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        return False
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", script, out, flag],
+                   check=True, timeout=timeout, env=env)
+    return True
+
+
+def slowest_rank_ms(*times_ms: float) -> List[float]:
+    """Each time as the slowest rank's (all-reduce MAX): a pipeline or TP step takes the slowest rank's time."""
+    both = torch.tensor(times_ms, device="cuda")
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    return both.tolist()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import fp8_parallel as fp
-from fp8_parallel.meta import FP8Meta
 from fp8_parallel.pipeline import capture_order
 from launcher import launch
+from order_driver import fp8_state, run_in_order
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp8_parallel.make_graphed_callables. CUDA is not available")
 
@@ -43,8 +43,7 @@ def _blocks(chunks: int, layers: int, seed: int):
 
 
 def _fp8_state(blocks):
-    return [t.clone() for chunk in blocks for b in chunk for m in b.modules() if isinstance(m, FP8Meta)
-            for t in (m.amax_history, m.scale)]
+    return fp8_state(b for chunk in blocks for b in chunk)
 
 
 def _run_steps(blocks, order, microbatches, steps, seed, caching=False):
@@ -57,26 +56,17 @@ def _run_steps(blocks, order, microbatches, steps, seed, caching=False):
     for _ in range(steps):
         data = [[torch.randn(8, D, generator=gen) for _ in range(microbatches)] for _ in blocks]
         grads = [[torch.randn(8, D, generator=gen) for _ in range(microbatches)] for _ in blocks]
-        fwd_i, bwd_i, pending = [0] * len(blocks), [0] * len(blocks), {}
+
+        def forward(c, mb):
+            x = data[c][mb].requires_grad_()
+            with fp.autocast(recipe=RECIPE):
+                h = x
+                for b in blocks[c]:
+                    h = b(h, is_first_microbatch=(mb == 0)) if caching else b(h)
+            return x, h
+
         opt.zero_grad()
-        for step in order:
-            c = abs(step) - 1
-            if step > 0:
-                mb = fwd_i[c]
-                fwd_i[c] += 1
-                x = data[c][mb].requires_grad_()
-                with fp.autocast(recipe=RECIPE):
-                    h = x
-                    for b in blocks[c]:
-                        h = b(h, is_first_microbatch=(mb == 0)) if caching else b(h)
-                pending[(c, mb)] = (x, h)
-                seen.append(h.detach().clone())
-            else:
-                mb = bwd_i[c]
-                bwd_i[c] += 1
-                x, h = pending.pop((c, mb))
-                h.backward(grads[c][mb])
-                seen.append(x.grad.clone())
+        seen += run_in_order(order, len(blocks), forward, lambda c, mb: grads[c][mb])
         seen += [p.grad.clone() for p in params] + _fp8_state(blocks)
         opt.step()
     return seen

@@ -88,11 +88,11 @@ def make_graphed_callables(
     funcs = [modules] if single else list(modules)
     chunks, microbatches, order = _layout_of_order(order, len(funcs))
     layers = len(funcs) // chunks
-    args_list = _expand_samples([sample_args] if single else list(sample_args), "sample_args", len(funcs), microbatches, layers, ())
+    args_list = _expand_samples([sample_args] if single else list(sample_args), "sample_args", len(funcs), microbatches, layers)
     if sample_kwargs is None:
         kwargs_list = [{}] * (len(funcs) * microbatches)
     else:
-        kwargs_list = _expand_samples([sample_kwargs] if single else list(sample_kwargs), "sample_kwargs", len(funcs), microbatches, layers, {})
+        kwargs_list = _expand_samples([sample_kwargs] if single else list(sample_kwargs), "sample_kwargs", len(funcs), microbatches, layers)
     if fp8_enabled and fp8_recipe is None:
         fp8_recipe = DelayedScaling()
     graphs = _uses_cuda_graphs()
@@ -119,7 +119,7 @@ def make_graphed_callables(
             device = torch.device("cuda", torch.cuda.current_device()) if graphs else torch.device("cpu")
             flag = torch.zeros(1, dtype=torch.int32, device=device)
         chunk, layer = divmod(i, layers)
-        runners, signatures = [], []
+        runners = []
         for mb in range(microbatches):
             k = index(chunk, mb, layer)
             signature, tensors = _Signature.of(args_list[k], kwargs_list[k])
@@ -129,9 +129,8 @@ def make_graphed_callables(
             runner.sample = tensors
             runner.generators = generators
             runners.append(runner)
-            signatures.append(signature)
         entries.append(dict(func=func, module=module, original=original, params=params, flag=flag,
-                            runners=runners, signatures=signatures))
+                            runners=runners))
 
     metas = [m for e in entries for m in _fp8_states(e["module"])]
     saved = _save_fp8_state(metas)
@@ -152,7 +151,7 @@ def make_graphed_callables(
     for i, e in enumerate(entries):
         training = e["module"].training if e["module"] is not None else True
         name = f"graphed callable {i} ({type(e['func']).__name__})"
-        graphed = GraphedCallable(name, e["original"], e["module"], e["runners"], e["signatures"], e["params"],
+        graphed = GraphedCallable(name, e["original"], e["module"], e["runners"], e["params"],
                                   training, fp8_enabled, fp8_recipe, fp8_group, e["flag"], cached_weights.get(i, []))
         if e["module"] is not None:
             e["module"].forward = graphed
@@ -162,7 +161,7 @@ def make_graphed_callables(
     return results[0] if single else tuple(results)
 
 
-def _expand_samples(samples: list, what: str, num_funcs: int, microbatches: int, layers: int, empty) -> list:
+def _expand_samples(samples: list, what: str, num_funcs: int, microbatches: int, layers: int) -> list:
     """Per (chunk, microbatch, layer) samples; one per callable is reused for every microbatch (cloned)."""
     if len(samples) == num_funcs * microbatches:
         return samples

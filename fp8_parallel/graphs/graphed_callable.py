@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ..recipe import Recipe
 from ..scopes import current_scope
-from .arguments import _Signature, _unflatten_outputs
+from .arguments import _unflatten_outputs
 from .recording import _register_forward
 from .runners import _Flight, _Replay, _Runner
 
@@ -28,14 +28,13 @@ class GraphedCallable:
     """
 
     def __init__(self, name: str, original: Callable, module: Optional[torch.nn.Module], runners: List[_Runner],
-                 signatures: List[_Signature], params: Tuple[torch.nn.Parameter, ...], training: bool,
+                 params: Tuple[torch.nn.Parameter, ...], training: bool,
                  fp8_enabled: bool, recipe: Optional[Recipe], group: Optional[dist.ProcessGroup],
                  flag: Optional[torch.Tensor], cached_weights: List[torch.Tensor]):
         self.name = name
         self.original = original
         self.module = module
         self.runners = runners
-        self.signatures = signatures
         self.params = params
         self.training = training
         self.fp8_enabled, self.recipe, self.group = fp8_enabled, recipe, group
@@ -66,7 +65,8 @@ class GraphedCallable:
             return self.original(*args, **kwargs)
         is_first = kwargs.pop("is_first_microbatch", None)
         mb = self.next_microbatch
-        runner, signature = self.runners[mb], self.signatures[mb]
+        runner = self.runners[mb]
+        signature = runner.signature
         inputs = signature.tensors_of(args, kwargs, self.name)
         if self.flag is not None:
             self._set_weight_flag(mb == 0 if is_first is None else bool(is_first))

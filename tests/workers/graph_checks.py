@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from fp8_parallel.megatron import get_gpt_block_spec  # noqa: E402
 from fp8_parallel.meta import FP8Meta  # noqa: E402
 from fp8_parallel.pipeline import graph_megatron_layers  # noqa: E402
+from order_driver import fp8_state, run_in_order  # noqa: E402
 
 VOCAB, SEQ, MBS, M, STEPS = 64, 32, 2, 4, 3
 LAYERS_PER_CHUNK = 2
@@ -179,34 +180,24 @@ def _drive_stack(layers, order, steps, caching: bool):
         shape = (SEQ, MBS, 64)
         data = [[torch.randn(shape, generator=gen).to(device, DTYPE) for _ in range(M)] for _ in layers]
         grads = [[torch.randn(shape, generator=gen).to(device, DTYPE) for _ in range(M)] for _ in layers]
-        fwd, bwd, pending = [0] * len(layers), [0] * len(layers), {}
+
+        def forward(c, mb):
+            x = data[c][mb].requires_grad_()
+            with fp.autocast(recipe=RECIPE):
+                h = x
+                for layer in layers[c]:
+                    if caching and mb == 0 and not isinstance(layer.forward, fp.GraphedCallable):
+                        for m in layer.modules():  # megatron's is_first_microbatch protocol, eager layers
+                            if hasattr(m, "is_first_microbatch"):
+                                m.is_first_microbatch = True
+                    h = layer(hidden_states=h)[0]
+            return x, h
+
         for p in params:
             p.grad = None
-        for step in order:
-            c = abs(step) - 1
-            if step > 0:
-                mb = fwd[c]
-                fwd[c] += 1
-                x = data[c][mb].requires_grad_()
-                with fp.autocast(recipe=RECIPE):
-                    h = x
-                    for layer in layers[c]:
-                        if caching and mb == 0 and not isinstance(layer.forward, fp.GraphedCallable):
-                            for m in layer.modules():
-                                if hasattr(m, "is_first_microbatch"):
-                                    m.is_first_microbatch = True
-                        h = layer(hidden_states=h)[0]
-                pending[(c, mb)] = (x, h)
-                seen.append(h.detach().clone())
-            else:
-                mb = bwd[c]
-                bwd[c] += 1
-                x, h = pending.pop((c, mb))
-                h.backward(grads[c][mb])
-                seen.append(x.grad.clone())
+        seen += run_in_order(order, len(layers), forward, lambda c, mb: grads[c][mb])
         seen += [p.grad.clone() for p in params]
-        seen += [t.clone() for chunk in layers for layer in chunk for m in layer.modules()
-                 if isinstance(m, FP8Meta) for t in (m.amax_history, m.scale)]
+        seen += fp8_state(layer for chunk in layers for layer in chunk)
         with torch.no_grad():
             for p in params:
                 p.add_(p.grad, alpha=-0.1)

@@ -100,7 +100,7 @@ def make_graphed_callables(
         warnings.warn("fp8_parallel.make_graphed_callables: CUDA is not available; the callables run eagerly "
                       "(same FP8 semantics, no graphs)", stacklevel=2)
 
-    generators = _graph_safe_rng_generators() if graphs else []
+    generators = tuple(_graph_safe_rng_generators()) if graphs else ()
 
     def index(chunk: int, mb: int, layer: int) -> int:
         return chunk * microbatches * layers + mb * layers + layer
@@ -125,9 +125,9 @@ def make_graphed_callables(
             signature, tensors = _Signature.of(args_list[k], kwargs_list[k])
             requires = [t.requires_grad for t in tensors]
             cls = _GraphRunner if graphs else _EagerRunner
-            runner = cls(original, params, signature, requires, fp8_enabled, fp8_recipe, flag, allow_unused_input)
-            runner.sample = tensors
-            runner.generators = generators
+            runner = cls(original, params, signature, requires, fp8_enabled, fp8_recipe, flag, allow_unused_input,
+                         generators)
+            runner.sample = tensors  # capture-time only
             runners.append(runner)
         entries.append(dict(func=func, module=module, original=original, params=params, flag=flag,
                             runners=runners))

@@ -18,8 +18,9 @@ class _Runner:
 
     def __init__(self, func: Callable, params: Tuple[torch.nn.Parameter, ...], signature: _Signature,
                  requires_grad: List[bool], fp8_enabled: bool, recipe: Optional[Recipe],
-                 flag: Optional[torch.Tensor], allow_unused_input: bool):
+                 flag: Optional[torch.Tensor], allow_unused_input: bool, generators: Tuple[torch.Generator, ...] = ()):
         self.func, self.params, self.signature = func, params, signature
+        self.generators = generators  # RNG states the graphs must register besides torch's default one
         self.requires_grad = requires_grad
         self.fp8_enabled, self.recipe, self.flag = fp8_enabled, recipe, flag
         self.allow_unused_input = allow_unused_input

@@ -82,6 +82,14 @@ class _Plan:
     forward_slots: Optional[torch.Tensor]  # [2] amax slots or None
     key_state: Optional[object]
     counts_backward: bool
+    _saved_scale: Optional[torch.Tensor] = None
+
+    def saved_forward_scale(self, index: int) -> torch.Tensor:
+        """`[1]`: forward scale `index` as this call casts with it, kept for a re-cast in backward (the scope's
+        update may rewrite the buffer before backward). One copy of both scales per call, made on first use."""
+        if self._saved_scale is None:
+            self._saved_scale = self.forward_scale.clone()
+        return self._saved_scale[index : index + 1]
 
 
 def _plan(state: FP8State) -> Optional[_Plan]:
@@ -115,14 +123,14 @@ def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noo
     return quantize(x, scale, fp8_dtype, amax_out=slot, out=out, with_transpose=with_transpose, noop_flag=noop_flag)
 
 
-def _input_scale(x: torch.Tensor, recipe: Recipe, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype) -> torch.Tensor:
-    """The scale an input is cast with, kept for a re-cast in backward: a copy of the delayed scale (the
-    scope's update may rewrite the buffer before backward), or the input's current scale."""
-    if isinstance(recipe, CurrentScaling):
+def _input_scale(x: torch.Tensor, plan: _Plan, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The scale an input is cast with, kept for a re-cast in backward: a copy of the delayed scale, or the
+    input's current scale."""
+    if isinstance(plan.recipe, CurrentScaling):
         from ..recipe import fp8_max
 
-        return current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), recipe.eps).reshape(1)
-    return scale.clone()
+        return current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), plan.recipe.eps).reshape(1)
+    return plan.saved_forward_scale(FWD_INPUT)
 
 
 def cast_weight(
@@ -165,112 +173,145 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
     return state.weight_fp8
 
 
+def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool):
+    """Cast a (non-sequence-parallel) input for fprop. Returns the FP8 input and what backward needs for the
+    wgrad operand, `[qx_t, x_ref, x_scale]` (see `_input_transposed`).
+
+    A leaf input (a batch, a pipeline stage's received activation, a graph's static input) stays alive
+    anyway: it is kept by reference and its transpose re-cast in backward with the forward's scale (the
+    same bytes), instead of a second, FP8 copy held from forward to backward. Otherwise one fused pass
+    writes the FP8 input and its transpose, and only the transpose (1 byte/element) is kept.
+    """
+    fmt = plan.recipe.fp8_format
+    slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
+    if fp8_wgrad and x.grad_fn is None:
+        x_scale = _input_scale(x2, plan, fmt.forward_dtype)
+        return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype), [None, x, x_scale]
+    scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
+    qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
+    return qx, [qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None, None, None]
+
+
+def _input_transposed(saved, qx_sinv: torch.Tensor, plan: _Plan, x_dtype: torch.dtype) -> Float8Tensor:
+    """The wgrad operand (the input's FP8 transpose) from what `_input_operand` saved."""
+    qx_t, x_ref, x_scale = saved
+    if x_ref is not None:
+        x_ref = x_ref.detach()
+        qx_t = quantize_transposed(x_ref.reshape(-1, x_ref.shape[-1]), x_scale, plan.recipe.fp8_format.forward_dtype)._data
+    return Float8Tensor(qx_t, qx_sinv, x_dtype)
+
+
+def _weight_operand(weight, qweight: Float8Tensor, state: FP8State, plan: _Plan):
+    """What backward needs for the dgrad operand (the weight's FP8 transpose): `([qw_t, qw_sinv, weight to
+    re-cast, its scale], cached)`. A cached or FP8 weight has its transpose already; a fresh cast is not
+    held from forward to backward (1 byte per parameter across the whole model) but re-cast there with a copy
+    of the forward scale (current scaling recomputes its deterministic scale). The weight cache is rewritten
+    in place only by a later first microbatch or a changed weight (never while this backward is pending in a
+    training step), so a cached pair `(qw_t, qw_sinv)` is returned apart, to be held outside autograd's
+    version checks."""
+    qw_t = w_scale = recast = None
+    if qweight.has_current_transpose() or isinstance(weight, Float8Tensor):
+        qw_t = qweight.transpose_2d()._data
+    else:
+        recast = weight
+        if plan.forward_scale is not None:
+            w_scale = plan.saved_forward_scale(FWD_WEIGHT)
+    if qweight is state.weight_fp8:
+        return [None, None, recast, w_scale], (qw_t, qweight._scale_inv)
+    return [qw_t, qweight._scale_inv, recast, w_scale], None
+
+
+def _weight_transposed(saved, cached, plan: _Plan, w_dtype: torch.dtype) -> Float8Tensor:
+    """The dgrad operand from what `_weight_operand` returned."""
+    qw_t, qw_sinv, weight, w_scale = saved
+    if cached is not None:
+        qw_t, qw_sinv = cached
+    if weight is None:
+        return Float8Tensor(qw_t, qw_sinv, w_dtype)
+    fmt = plan.recipe.fp8_format
+    if w_scale is None:
+        from ..recipe import fp8_max
+
+        w_scale = current_scale(weight.detach().abs().amax(), fp8_max(fmt.forward_dtype), plan.recipe.eps).reshape(1)
+    return quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype)
+
+
+def _backward_slot(plan: _Plan, state: FP8State):
+    """The grad_output amax slot of `state` in its scope key (delayed scaling), or None."""
+    key = plan.key_state
+    if isinstance(plan.recipe, CurrentScaling) or key is None:
+        return None
+    return key.backward.slots(state.bwd)
+
+
+def _backward_done(plan: _Plan) -> None:
+    if plan.counts_backward and plan.key_state is not None:
+        plan.key_state.backward_ran()
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group):
         fmt = plan.recipe.fp8_format
         x2 = x.reshape(-1, x.shape[-1])
-        slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
-        scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
         fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
         ctx.sp_group = sp_group
         out_shape = x.shape[:-1]
-        # a leaf input (a batch, a pipeline stage's received activation, a graph's static input) stays alive
-        # anyway: keep a reference and re-cast its transpose in backward with the forward's scale (the same
-        # bytes) instead of holding a second, FP8 copy from forward to backward
-        x_ref = x_scale = None
-        if sp_group is None and fp8_wgrad and x.grad_fn is None:
-            x_ref, x_scale = x, _input_scale(x2, plan.recipe, scale, fmt.forward_dtype)
-            qx = _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype)
-            qx_t = None
-        elif sp_group is None:
-            # one fused pass writes the FP8 input and its transpose; only the transpose (1 byte/element) is
-            # kept for the wgrad GEMM, the row-major copy is freed after fprop
-            qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
-            qx_t = qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None
+        if sp_group is None:
+            qx, x_saved = _input_operand(x, x2, plan, fp8_wgrad)
         else:
             # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
+            slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
+            scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1]
             qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
-            qx_t = qx.transpose_2d()._data if fp8_wgrad else None
+            x_saved = [qx.transpose_2d()._data if fp8_wgrad else None, None, None]
             out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
         qx_sinv = qx._scale_inv
         del qx  # the row-major FP8 input is not needed past fprop
         ctx.wgrad_in_fp8 = wgrad_in_fp8
         hp_x = x2.detach() if not wgrad_in_fp8 and weight.requires_grad else None  # megatron's fp8_wgrad=False
-        # dgrad operand: the weight's FP8 transpose. A cached or FP8 weight has it already; a fresh cast is
-        # not held from forward to backward (1 byte per parameter across the whole model) but re-cast there
-        # from the weight with a copy of the forward scale (the same bytes, written only when needed)
-        qw_t = w_scale = None
-        ctx.recast_weight = False
+        w_saved, ctx.cached_weight = ([None] * 4, None)
         if x.requires_grad:
-            if qweight.has_current_transpose() or isinstance(weight, Float8Tensor):
-                qw_t = qweight.transpose_2d()._data
-            else:
-                ctx.recast_weight = True  # current scaling recomputes its (deterministic) scale
-                if plan.forward_scale is not None:
-                    w_scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1].clone()
-        # the weight cache is rewritten in place only by a later first microbatch or a changed weight (never
-        # while this backward is pending in a training step), so it is held outside autograd's version checks
-        qw_sinv = qweight._scale_inv
-        ctx.cached_weight = (qw_t, qw_sinv) if qweight is state.weight_fp8 else None
-        if ctx.cached_weight is not None:
-            qw_t = qw_sinv = None
-        ctx.save_for_backward(qx_t, qx_sinv, qw_t, qw_sinv, hp_x,
-                              weight if ctx.recast_weight else None, w_scale, x_ref, x_scale)
+            w_saved, ctx.cached_weight = _weight_operand(weight, qweight, state, plan)
+        ctx.save_for_backward(*x_saved, qx_sinv, *w_saved, hp_x)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        ctx.state, ctx.plan = state, plan
+        ctx.plan = plan
+        ctx.state = state
         return y.reshape(*out_shape, y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_t, qx_sinv, qw_t, qw_sinv, hp_x, weight, w_scale, x_ref, x_scale = ctx.saved_tensors
-        if ctx.cached_weight is not None:
-            qw_t, qw_sinv = ctx.cached_weight
-        state, plan = ctx.state, ctx.plan
+        saved = ctx.saved_tensors
+        x_saved, qx_sinv, w_saved, hp_x = saved[0:3], saved[3], saved[4:8], saved[8]
+        del saved
+        plan = ctx.plan
         fmt = plan.recipe.fp8_format
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        key = plan.key_state
         delayed = not isinstance(plan.recipe, CurrentScaling)
-        slot = key.backward.slots(state.bwd) if (delayed and key is not None) else None
         fp8_wgrad = ctx.wgrad_in_fp8 and ctx.needs_input_grad[1]
-        qg = _cast(g2, plan.recipe, state.bwd.scale if delayed else None, slot, fmt.backward_dtype,
-                   with_transpose=fp8_wgrad)
+        qg = _cast(g2, plan.recipe, ctx.state.bwd.scale if delayed else None, _backward_slot(plan, ctx.state),
+                   fmt.backward_dtype, with_transpose=fp8_wgrad)
         qg_t = qg.transpose_2d(update_cache=False) if fp8_wgrad else None
         grad_x = grad_w = grad_b = None
         # dgrad first; its operands (the row-major grad cast, the weight's transpose) are released before the
         # wgrad GEMM allocates the weight gradient, so the two sets never coexist (lower peak memory)
         if ctx.needs_input_grad[0]:
-            if ctx.recast_weight:
-                if w_scale is None:
-                    from ..recipe import fp8_max
-
-                    w_scale = current_scale(weight.detach().abs().amax(), fp8_max(fmt.forward_dtype),
-                                            plan.recipe.eps).reshape(1)
-                qw_transposed = quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype)
-            else:
-                qw_transposed = Float8Tensor(qw_t, qw_sinv, ctx.w_dtype)
-            grad_x = fp8_gemm(qg, qw_transposed, out_dtype=ctx.x_dtype)
+            grad_x = fp8_gemm(qg, _weight_transposed(w_saved, ctx.cached_weight, plan, ctx.w_dtype), out_dtype=ctx.x_dtype)
             if ctx.sp_group is not None:  # the gathered input's gradient: reduce-scatter over the sequence
                 grad_x = reduce_scatter_rows(grad_x, ctx.sp_group)
             grad_x = grad_x.reshape(ctx.x_shape)
-            del qw_transposed
-        del qg, qw_t, weight
+        del qg, w_saved
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
-                if x_ref is not None:
-                    x_ref = x_ref.detach()
-                    qx_t = quantize_transposed(x_ref.reshape(-1, x_ref.shape[-1]), x_scale, fmt.forward_dtype)._data
-                qx_transposed = Float8Tensor(qx_t, qx_sinv, ctx.x_dtype)
-                grad_w = fp8_gemm(qg_t, qx_transposed, out_dtype=ctx.w_dtype)
-                del qg_t, qx_transposed, qx_t
+                grad_w = fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, ctx.x_dtype), out_dtype=ctx.w_dtype)
+                del qg_t, x_saved
             else:
                 grad_w = (g2.t().float() @ hp_x.float()).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.w_dtype)
-        if plan.counts_backward and key is not None:
-            key.backward_ran()
+        _backward_done(plan)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

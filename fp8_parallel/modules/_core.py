@@ -277,8 +277,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.save_for_backward(*x_saved, qx_sinv, *w_saved, hp_x)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        ctx.plan = plan
-        ctx.state = state
+        ctx.state, ctx.plan = state, plan
         return y.reshape(*out_shape, y.shape[-1])
 
     @staticmethod

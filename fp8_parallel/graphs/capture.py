@@ -2,47 +2,53 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from ..recipe import DelayedScaling, Recipe
 from ..scopes import Recorder
 from .arguments import _flatten_outputs, _Signature
 from .graphed_callable import GraphedCallable
+from .layout import Layout, expand_samples, layout_of
 from .recording import _fp8_states, _restore_fp8_state, _save_fp8_state
-from .runners import _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers
+from .rng import RngSnapshot, TrackerWatch, graph_safe_generators
+from .runners import RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers
 
 
 def _uses_cuda_graphs() -> bool:
     return torch.cuda.is_available()
 
 
-def _layout_of_order(order: Optional[List[int]], num_callables: int) -> Tuple[int, int, List[int]]:
-    """(chunks, microbatches, order) for `order` (None: one chunk, one microbatch)."""
-    if order is None:
-        return 1, 1, [1, -1]
-    chunks = max(abs(c) for c in order) if order else 0
-    if not order or any(c == 0 for c in order) or len(order) % (2 * chunks):
-        raise ValueError(f"make_graphed_callables: order {order} is not a list of +c/-c chunk ids (1-indexed) with "
-                         f"one forward and one backward per chunk and microbatch")
-    microbatches = len(order) // (2 * chunks)
-    for c in range(1, chunks + 1):
-        if order.count(c) != microbatches or order.count(-c) != microbatches:
-            raise ValueError(f"make_graphed_callables: order {order} runs {order.count(c)} forwards and "
-                             f"{order.count(-c)} backwards of chunk {c}; expected {microbatches} each")
-    done: Dict[int, int] = {}
-    for c in order:
-        done[c] = done.get(c, 0) + 1
-        if c < 0 and done[c] > done.get(-c, 0):
-            raise ValueError(f"make_graphed_callables: order {order} runs a backward of chunk {-c} before its forward")
-    if num_callables % chunks:
-        raise ValueError(f"make_graphed_callables: {num_callables} callables do not split into {chunks} chunks")
-    return chunks, microbatches, list(order)
+def _per_callable_fp8(fp8_enabled: Union[None, bool, Sequence[bool]], num_callables: int) -> List[bool]:
+    if fp8_enabled is None or isinstance(fp8_enabled, bool):
+        return [bool(fp8_enabled)] * num_callables
+    if isinstance(fp8_enabled, (tuple, list)) and all(isinstance(e, bool) for e in fp8_enabled):
+        if len(fp8_enabled) != num_callables:
+            raise ValueError(f"make_graphed_callables: fp8_enabled {tuple(fp8_enabled)} has {len(fp8_enabled)} "
+                             f"entries for {num_callables} callables")
+        return list(fp8_enabled)
+    raise TypeError(f"make_graphed_callables: fp8_enabled must be a bool or a tuple of bools (one per callable), "
+                    f"got {fp8_enabled!r}")
+
+
+def _check_module(i: int, module: torch.nn.Module) -> None:
+    """Hooks would run once while capturing and never on replay; trainable buffers get no gradient."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    for path, sub in module.named_modules():
+        found = [k.strip("_") for k in kinds if getattr(sub, k, None)]
+        if found:
+            where = f"its submodule '{path}' ({type(sub).__name__})" if path else "it"
+            raise ValueError(f"make_graphed_callables: callable {i} ({type(module).__name__}): {where} has "
+                             f"{', '.join(found)}; a CUDA graph would run them once at capture and never again. "
+                             f"Remove them before graphing (hooks registered on the returned module afterwards "
+                             f"run around every call)")
+    for name, buf in module.named_buffers():
+        if buf.requires_grad:
+            raise ValueError(f"make_graphed_callables: callable {i} ({type(module).__name__}) has buffer '{name}' "
+                             f"with requires_grad=True; only parameters can be trained through graphs")
 
 
 def make_graphed_callables(
@@ -52,81 +58,107 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs: Optional[Union[dict, Sequence[dict]]] = None,
-    fp8_enabled: bool = False,
+    fp8_enabled: Union[bool, Sequence[bool]] = False,
+    fp8_calibrating: bool = False,
     fp8_recipe: Optional[Recipe] = None,
     fp8_group: Optional[dist.ProcessGroup] = None,
     fp8_weight_caching: bool = False,
     order: Optional[List[int]] = None,
+    _order: Optional[List[int]] = None,
+    _num_layers_per_chunk: Optional[Union[int, List[int]]] = None,
+    _reuse_graph_input_output_buffers: bool = True,
     pool: Optional[Any] = None,
+    retain_graph_in_backward: bool = False,
 ):
     """Capture forward and backward CUDA graphs of `modules` (callables or `nn.Module`s).
 
+    The arguments are TransformerEngine's (`te.pytorch.make_graphed_callables`), plus `order`.
+
     Args:
-        modules: one callable, or a sequence. With `order`, the sequence is the layers of all chunks, chunk by
-            chunk (each chunk has `len(modules) // chunks` layers).
+        modules: one callable, or a sequence. With an order, the sequence is the layers of all chunks, chunk by
+            chunk (`_num_layers_per_chunk` each; default an equal split).
         sample_args: a tuple of positional arguments per (chunk, microbatch, layer) in that nesting order, or
             one tuple per callable (reused for every microbatch); a single callable takes one tuple.
         num_warmup_iters: eager forward/backward passes per callable before capture.
         allow_unused_input: allow inputs and parameters that get no gradient.
         sample_kwargs: keyword arguments, laid out like `sample_args` (None values count as absent).
-        fp8_enabled, fp8_recipe: run the captured callables in FP8 with this recipe (default
-            `DelayedScaling()`); replay needs an enabled caller scope with the same recipe.
+        fp8_enabled: capture in FP8 (a bool, or one bool per callable). A callable captured with FP8 replays
+            only inside an enabled scope with `fp8_recipe` (default `DelayedScaling()`); one captured without
+            replays only with FP8 off. Other calls run eagerly, with a one-time warning (TransformerEngine
+            replays regardless of the caller's scope).
+        fp8_calibrating: not supported (NotImplementedError when True).
         fp8_group: when given, replay also needs the caller's scope to reduce over this group.
         fp8_weight_caching: capture weight casts under a device flag set by `is_first_microbatch` on replay.
         order: `+c` forward / `-c` backward of chunk c (1-indexed), one per microbatch, e.g. from
             `fp8_parallel.pipeline.capture_order`; graphs are captured in exactly this order into one pool.
-            Without it every callable gets one forward and one backward graph, forwards captured in order and
-            backwards in reverse.
+            Without an order every callable gets one forward and one backward graph, forwards captured in
+            order and backwards in reverse.
+        _order: the same order, TransformerEngine's name; it also selects TransformerEngine's return layout
+            (below). Give `order` or `_order`, not both.
+        _num_layers_per_chunk: callables per chunk (an int, or one per chunk) when they differ.
+        _reuse_graph_input_output_buffers: accepted for TransformerEngine; static buffers are always shared
+            by microbatches that are never in flight together.
         pool: a memory pool handle (`torch.cuda.graph_pool_handle()`) to capture into (default: a new one).
+        retain_graph_in_backward: keep the autograd graph when capturing (and running) backwards.
 
     Returns:
-        For a module, the module itself with `forward` replaced by a `GraphedCallable`; for other callables
-        a `GraphedCallable`; a tuple of them for a sequence. Without CUDA they run eagerly on every call
-        (same semantics; one warning).
+        Without `_order`: for a module, the module itself with `forward` replaced by a `GraphedCallable`
+        (whose calls replay microbatch after microbatch); for other callables a `GraphedCallable`; a tuple of
+        them for a sequence. With `_order` (as TransformerEngine): a tuple of `GraphedMicrobatch` callables,
+        one per (chunk, microbatch, layer) in the layout of `sample_args`, each replaying that microbatch's
+        graphs; modules keep their own `forward`. Each has `reset()`, which releases its graphs (later calls
+        run eagerly). Without CUDA everything runs eagerly on every call (same semantics; one warning).
+
+    Raises:
+        ValueError: a malformed order, sample counts that fit no layout, modules with hooks, trainable
+            buffers. RuntimeError: the callables fork megatron's RNG tracker without graph-safe states (before
+            any capture; the message names the fix). NotImplementedError: `fp8_calibrating=True`.
     """
+    if order is not None and _order is not None:
+        raise ValueError("make_graphed_callables: give `order` or TransformerEngine's `_order`, not both")
+    if fp8_calibrating:
+        raise NotImplementedError("make_graphed_callables: fp8_calibrating=True (amaxes recorded while computing "
+                                  "in high precision) is not supported; capture with fp8_enabled=True or False")
+    te_layout = _order is not None
     single = not isinstance(modules, (list, tuple))
     funcs = [modules] if single else list(modules)
-    chunks, microbatches, order = _layout_of_order(order, len(funcs))
-    layers = len(funcs) // chunks
-    args_list = _expand_samples([sample_args] if single else list(sample_args), "sample_args", len(funcs), microbatches, layers)
+    layout = layout_of(order if order is not None else _order, len(funcs), _num_layers_per_chunk)
+    fp8_per_callable = _per_callable_fp8(fp8_enabled, len(funcs))
+    args_list = expand_samples([sample_args] if single else list(sample_args), "sample_args", layout)
     if sample_kwargs is None:
-        kwargs_list = [{}] * (len(funcs) * microbatches)
+        kwargs_list = [{}] * (len(funcs) * layout.microbatches)
     else:
-        kwargs_list = _expand_samples([sample_kwargs] if single else list(sample_kwargs), "sample_kwargs", len(funcs), microbatches, layers)
-    if fp8_enabled and fp8_recipe is None:
+        kwargs_list = expand_samples([sample_kwargs] if single else list(sample_kwargs), "sample_kwargs", layout)
+    if any(fp8_per_callable) and fp8_recipe is None:
         fp8_recipe = DelayedScaling()
+    for i, func in enumerate(funcs):
+        if isinstance(func, torch.nn.Module):
+            _check_module(i, func)
+        elif not callable(func):
+            raise TypeError(f"make_graphed_callables: callable {i} is a {type(func).__name__}, not callable")
     graphs = _uses_cuda_graphs()
     if not graphs:
         warnings.warn("fp8_parallel.make_graphed_callables: CUDA is not available; the callables run eagerly "
                       "(same FP8 semantics, no graphs)", stacklevel=2)
 
-    generators = tuple(_graph_safe_rng_generators()) if graphs else ()
-
-    def index(chunk: int, mb: int, layer: int) -> int:
-        return chunk * microbatches * layers + mb * layers + layer
-
+    generators = tuple(graph_safe_generators()) if graphs else ()
     entries = []  # per callable: dict with its runners (one per microbatch) and the rest
     for i, func in enumerate(funcs):
         module = func if isinstance(func, torch.nn.Module) else None
-        if module is not None:
-            if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
-                raise ValueError(f"make_graphed_callables: module {i} ({type(module).__name__}) has hooks; graphs "
-                                 f"would not run them")
         original = module.forward if module is not None else func
         params = tuple(p for p in module.parameters() if p.requires_grad) if module is not None else ()
         flag = None
         if fp8_weight_caching:
             device = torch.device("cuda", torch.cuda.current_device()) if graphs else torch.device("cpu")
             flag = torch.zeros(1, dtype=torch.int32, device=device)
-        chunk, layer = divmod(i, layers)
+        options = RunOptions(fp8_per_callable[i], fp8_recipe if fp8_per_callable[i] else None, flag,
+                             allow_unused_input, retain_graph_in_backward, generators)
         runners = []
-        for mb in range(microbatches):
-            k = index(chunk, mb, layer)
+        for mb in range(layout.microbatches):
+            k = layout.sample_index(i, mb)
             signature, tensors = _Signature.of(args_list[k], kwargs_list[k])
-            requires = [t.requires_grad for t in tensors]
-            cls = _GraphRunner if graphs else _EagerRunner
-            runner = cls(original, params, signature, requires, fp8_enabled, fp8_recipe, flag, allow_unused_input,
-                         generators)
+            runner = (_GraphRunner if graphs else _EagerRunner)(
+                original, params, signature, [t.requires_grad for t in tensors], options)
             runner.sample = tensors  # capture-time only
             runners.append(runner)
         entries.append(dict(func=func, module=module, original=original, params=params, flag=flag,
@@ -134,13 +166,18 @@ def make_graphed_callables(
 
     metas = [m for e in entries for m in _fp8_states(e["module"])]
     saved = _save_fp8_state(metas)
+    rng = RngSnapshot(list(generators)) if graphs else None
+    watch = TrackerWatch()
     cached_weights: Dict[int, List[torch.Tensor]] = {}
     try:
         cached_weights = _warm_up(entries, num_warmup_iters, graphs)
         if graphs:
-            _capture(entries, order, layers, microbatches, pool if pool is not None else torch.cuda.graph_pool_handle())
+            watch.refuse_capture_if_forked()
+            _capture(entries, layout, pool if pool is not None else torch.cuda.graph_pool_handle())
     finally:
         _restore_fp8_state(metas, saved)
+        if rng is not None:
+            rng.restore()
     for e in entries:
         e.pop("warm_outputs", None)
         e.pop("warm_grads", None)
@@ -151,32 +188,23 @@ def make_graphed_callables(
     for i, e in enumerate(entries):
         training = e["module"].training if e["module"] is not None else True
         name = f"graphed callable {i} ({type(e['func']).__name__})"
-        graphed = GraphedCallable(name, e["original"], e["module"], e["runners"], e["params"],
-                                  training, fp8_enabled, fp8_recipe, fp8_group, e["flag"], cached_weights.get(i, []))
-        if e["module"] is not None:
+        graphed = GraphedCallable(name, e["original"], e["module"], e["runners"], e["params"], training,
+                                  fp8_per_callable[i], fp8_recipe if fp8_per_callable[i] else None, fp8_group,
+                                  e["flag"], cached_weights.get(i, []))
+        if te_layout:
+            results.append(graphed)
+        elif e["module"] is not None:
             e["module"].forward = graphed
             results.append(e["module"])
         else:
             results.append(graphed)
+    if te_layout:  # one per (chunk, microbatch, layer), in the layout of the samples
+        views: List[Any] = [None] * (len(results) * layout.microbatches)
+        for i, graphed in enumerate(results):
+            for mb in range(layout.microbatches):
+                views[layout.sample_index(i, mb)] = graphed.microbatch(mb)
+        return tuple(views)
     return results[0] if single else tuple(results)
-
-
-def _expand_samples(samples: list, what: str, num_funcs: int, microbatches: int, layers: int) -> list:
-    """Per (chunk, microbatch, layer) samples; one per callable is reused for every microbatch (cloned)."""
-    if len(samples) == num_funcs * microbatches:
-        return samples
-    if len(samples) == num_funcs:
-        chunks = num_funcs // layers
-        out = []
-        for chunk in range(chunks):
-            for mb in range(microbatches):
-                for layer in range(layers):
-                    s = samples[chunk * layers + layer]
-                    out.append(s if mb == 0 else pytree.tree_map(
-                        lambda x: x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x, s))
-        return out
-    raise ValueError(f"make_graphed_callables: {what} has {len(samples)} entries; expected one per callable "
-                     f"({num_funcs}) or one per (chunk, microbatch, layer) ({num_funcs * microbatches})")
 
 
 def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Tensor]]:
@@ -208,9 +236,9 @@ def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Te
     return cached
 
 
-def _capture(entries: list, order: List[int], layers: int, microbatches: int, pool) -> None:
-    """Forward and backward graphs in `order`, all into `pool`, with shared static buffers."""
-    slot_of, _ = _lifetime_slots(order, microbatches)
+def _capture(entries: list, layout: Layout, pool) -> None:
+    """Forward and backward graphs in the layout's order, all into `pool`, with shared static buffers."""
+    slot_of, _ = _lifetime_slots(layout.order, layout.microbatches)
     slot_buffers: Dict[Tuple[int, int], _SlotBuffers] = {}
     grad_buffers: Dict[int, _GradBuffers] = {}
     for i, e in enumerate(entries):
@@ -219,7 +247,7 @@ def _capture(entries: list, order: List[int], layers: int, microbatches: int, po
         grad_buffers[i] = _GradBuffers(
             [torch.empty_like(o) if o.requires_grad else None for o in outs],
             [torch.empty_like(g) if g is not None else None for g in grads])
-        chunk = i // layers
+        chunk = layout.chunk_of(i)
         for (c, mb), slot in slot_of.items():
             if c == chunk and (i, slot) not in slot_buffers:
                 runner = e["runners"][mb]
@@ -229,9 +257,9 @@ def _capture(entries: list, order: List[int], layers: int, microbatches: int, po
     torch.cuda.synchronize()
     fwd_next: Dict[int, int] = {}
     bwd_next: Dict[int, int] = {}
-    for step in order:
+    for step in layout.order:
         chunk = abs(step) - 1
-        ids = range(chunk * layers, (chunk + 1) * layers)
+        ids = layout.callables_of(chunk)
         if step > 0:
             mb = fwd_next.get(chunk, 0)
             fwd_next[chunk] = mb + 1
@@ -248,19 +276,6 @@ def _capture(entries: list, order: List[int], layers: int, microbatches: int, po
             for i in reversed(ids):
                 entries[i]["runners"][mb].capture_backward(grad_buffers[i], pool)
     torch.cuda.synchronize()
-
-
-def _graph_safe_rng_generators() -> List[torch.Generator]:
-    """RNG states that graphs must register besides torch's default generator: megatron's RNG tracker keeps
-    its states as graph-safe generators when built with `use_cudagraphable_rng` (without it, code that forks
-    the tracker cannot be captured)."""
-    random = sys.modules.get("megatron.core.tensor_parallel.random")
-    if random is None:
-        return []
-    tracker = random.get_cuda_rng_tracker()
-    if not getattr(tracker, "use_cudagraphable_rng", False):
-        return []
-    return [s for s in tracker.get_states().values() if isinstance(s, torch.Generator)]
 
 
 def _unique(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -13,17 +13,28 @@ from .arguments import _flatten_outputs, _Signature
 from .recording import _register_backward
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How one callable is recorded, replayed and differentiated (shared by its microbatches' runners)."""
+
+    fp8_enabled: bool
+    recipe: Optional[Recipe]
+    flag: Optional[torch.Tensor]  # weight-caching device flag (None: no caching)
+    allow_unused_input: bool = False
+    retain_graph: bool = False  # keep the autograd graph after the backward (TE's retain_graph_in_backward)
+    generators: Tuple[torch.Generator, ...] = ()  # RNG states the graphs register besides torch's default one
+
+
 class _Runner:
     """Forward and backward of one callable for one microbatch (the common part of graph and eager)."""
 
     def __init__(self, func: Callable, params: Tuple[torch.nn.Parameter, ...], signature: _Signature,
-                 requires_grad: List[bool], fp8_enabled: bool, recipe: Optional[Recipe],
-                 flag: Optional[torch.Tensor], allow_unused_input: bool, generators: Tuple[torch.Generator, ...] = ()):
+                 requires_grad: List[bool], options: RunOptions):
         self.func, self.params, self.signature = func, params, signature
-        self.generators = generators  # RNG states the graphs must register besides torch's default one
         self.requires_grad = requires_grad
-        self.fp8_enabled, self.recipe, self.flag = fp8_enabled, recipe, flag
-        self.allow_unused_input = allow_unused_input
+        self.options = options
+        self.fp8_enabled, self.recipe, self.flag = options.fp8_enabled, options.recipe, options.flag
+        self.released = False
 
     def _record(self, inputs: List[torch.Tensor], recorder: Recorder):
         args, kwargs = self.signature.rebuild(inputs)
@@ -34,10 +45,15 @@ class _Runner:
         outs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
         wrt = [i for i, rg in zip(inputs, self.requires_grad) if rg] + list(self.params)
         grads = torch.autograd.grad([o for o, _ in outs], wrt, [g for _, g in outs], only_inputs=True,
-                                    allow_unused=self.allow_unused_input) if outs and wrt else [None] * len(wrt)
+                                    retain_graph=self.options.retain_graph or None,
+                                    allow_unused=self.options.allow_unused_input) if outs and wrt else [None] * len(wrt)
         it = iter(grads)
         by_input = [next(it) if rg else None for rg in self.requires_grad]
         return by_input + [next(it) for _ in self.params]
+
+    def release(self) -> None:
+        """Give up what replays need (graphs, static buffers); later calls run eagerly."""
+        self.released = True
 
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -75,7 +91,7 @@ class _GraphRunner(_Runner):
         self.static_inputs, self.static_outputs = static.inputs, static.outputs
         self.recorder = Recorder(self.device(), self.flag)
         self.fwd_graph = torch.cuda.CUDAGraph()
-        for gen in self.generators:
+        for gen in self.options.generators:
             self.fwd_graph.register_generator_state(gen)
         with torch.enable_grad(), torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
             outputs = self._record(self.static_inputs, self.recorder)
@@ -90,7 +106,7 @@ class _GraphRunner(_Runner):
         outs = self._outputs_with_graph
         self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
         self.bwd_graph = torch.cuda.CUDAGraph()
-        for gen in self.generators:
+        for gen in self.options.generators:
             self.bwd_graph.register_generator_state(gen)
         with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
             grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
@@ -100,6 +116,15 @@ class _GraphRunner(_Runner):
                         buf.copy_(g)
             del grads
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
+
+    def release(self) -> None:
+        super().release()
+        for graph in (getattr(self, "fwd_graph", None), getattr(self, "bwd_graph", None)):
+            if graph is not None:
+                graph.reset()
+        for name in ("fwd_graph", "bwd_graph", "static_inputs", "static_outputs", "static_grad_outputs",
+                     "static_grads", "recorder"):
+            self.__dict__.pop(name, None)
 
     def forward(self, inputs: List[torch.Tensor]):
         for dst, src in zip(self.static_inputs, inputs):

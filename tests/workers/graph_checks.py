@@ -137,7 +137,7 @@ def _compare(caching: bool):
             got = _train(graphed_chunks, cfg, graphed, caching)
         for layers in graphed.layers:
             for layer in layers:
-                assert layer.forward.replayed == STEPS * M, layer.forward.replayed
+                assert layer.forward.replay_count == STEPS * M, layer.forward.replay_count
         for step, ((l1, g1, s1), (l2, g2, s2)) in enumerate(zip(expected, got)):
             assert len(g1) == len(g2) and g1 and len(s1) == len(s2) and s1
             for what, xs, ys in (("loss", l1, l2), ("grad", g1, g2), ("fp8 state", s1, s2)):
@@ -224,7 +224,7 @@ def _compare_stack(caching: bool):
                                       num_warmup_iters=2)
             expected = _drive_stack(plain, order, STEPS, caching)
             got = _drive_stack(graphed, order, STEPS, caching)
-        assert all(layer.forward.replayed == STEPS * M for chunk in graphed for layer in chunk)
+        assert all(layer.forward.replay_count == STEPS * M for chunk in graphed for layer in chunk)
         assert len(expected) == len(got)
         for i, (x, y) in enumerate(zip(expected, got)):
             assert torch.equal(x, y), f"item {i}: max abs diff {(x.float() - y.float()).abs().max()}"

@@ -377,7 +377,7 @@ def test_reset_releases_graphs_and_later_calls_run_eagerly(seed):
     call.rewind()
     assert call.next_microbatch == 0
     call.reset()
-    assert "forward" not in graphed.__dict__ or graphed.forward == call.original  # its own forward again
+    assert "forward" not in graphed.__dict__  # the class's forward again
     with fp.autocast(recipe=RECIPE):
         a = graphed(data)
     with fp.autocast(recipe=RECIPE):

@@ -165,8 +165,13 @@ class GraphedCallable:
         Call it between steps, not while a backward of a replayed call is still pending."""
         for runner in self.runners:
             runner.release()
-        if self.module is not None and self.module.__dict__.get("forward") is self:
-            self.module.forward = self.original
+        module = self.module
+        if module is not None and module.__dict__.get("forward") is self:
+            own = getattr(self.original, "__func__", None) is getattr(type(module), "forward", None)
+            if own and getattr(self.original, "__self__", None) is module:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = self.original
 
 
 class GraphedMicrobatch:

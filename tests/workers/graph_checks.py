@@ -3,6 +3,8 @@ plain model exactly: losses, gradients and FP8 state, every step, every rank.
 
 Usage (under torchrun): graph_checks.py TP PP VPP   (VPP 0 = no interleaving)
                         graph_checks.py stack        (1 rank: 2 chunks x 2 layers driven in a pipeline order)
+                        graph_checks.py dropout      (1 GPU: layers that fork megatron's RNG tracker)
+                        graph_checks.py dropout-eager (1 GPU: a graphed dropout layer equals its eager twin)
 On CPU (gloo) the graphed layers take the eager path of make_graphed_callables; on GPUs (NCCL) they replay
 CUDA graphs.
 """
@@ -17,8 +19,9 @@ import fp8_parallel as fp
 import parallel_state as ps
 from rank_checks import run_checks, test_seed
 
-STACK = sys.argv[1] == "stack"
-TP, PP, VPP = (1, 1, 0) if STACK else (int(a) for a in sys.argv[1:4])
+MODE = sys.argv[1] if sys.argv[1] in ("stack", "dropout", "dropout-eager") else "schedule"
+STACK = MODE == "stack"
+TP, PP, VPP = (int(a) for a in sys.argv[1:4]) if MODE == "schedule" else (1, 1, 0)
 VPP = VPP or None
 GPU = torch.cuda.is_available()
 if GPU:
@@ -232,7 +235,143 @@ def _compare_stack(caching: bool):
     return check
 
 
+# -- layers that fork megatron's RNG tracker (dropout) -------------------------------------------------------
+
+def _seed_tracker(graph_safe: bool) -> None:
+    model_parallel_cuda_manual_seed(test_seed() % 1000, use_cudagraphable_rng=graph_safe, force_reset_rng=True)
+    torch.manual_seed(test_seed() % 1000)
+
+
+def _dropout_layer():
+    """Our spec's TransformerLayer with hidden and attention dropout 0.1 (attention dropout forks the tracker)."""
+    from megatron.core.transformer.spec_utils import build_module
+    from fp8_parallel.megatron import get_gpt_layer_spec
+
+    cfg = _config()
+    cfg.num_layers, cfg.hidden_dropout, cfg.attention_dropout = 1, 0.1, 0.1
+    return build_module(get_gpt_layer_spec(), config=cfg, layer_number=1).cuda()
+
+
+class _ForkedDropout(torch.nn.Module):
+    """`dropout(x * w, 0.5)` under megatron's model-parallel RNG fork, as megatron's attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(256, device="cuda") + 0.5)
+
+    def forward(self, x):
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(x * self.w, 0.5)
+
+
+def _hidden(requires_grad: bool = True):
+    return torch.randn(SEQ, MBS, 64, device="cuda", dtype=DTYPE, requires_grad=requires_grad)
+
+
+def _check_graph_safe_tracker_dropout():
+    """With graph-safe tracker states (`use_cudagraphable_rng=True`) a forking layer captures; every replay
+    draws a fresh mask from the tracker; forward and backward graphs agree on it; the TransformerLayer with
+    dropout captures in FP8 and without, and replays with finite outputs and gradients."""
+    _seed_tracker(graph_safe=True)
+    drop = fp.make_graphed_callables(_ForkedDropout(), (torch.randn(64, 256, device="cuda", requires_grad=True),),
+                                     num_warmup_iters=2)
+    x = torch.rand(64, 256, device="cuda") + 0.5  # no zeros: a zero output means dropped
+    outs = []
+    for _ in range(2):
+        inp = x.clone().requires_grad_()
+        out = drop(inp)
+        out.backward(torch.ones_like(out))
+        kept = out != 0
+        assert 0.4 < kept.float().mean().item() < 0.6, kept.float().mean()
+        assert torch.equal(inp.grad, torch.where(kept, 2.0 * drop.w.detach(), torch.zeros_like(x))), \
+            "the backward graph used another mask than the forward graph"
+        outs.append(kept)
+    assert drop.forward.replay_count == 2 and not torch.equal(outs[0], outs[1]), "a replay repeated its mask"
+
+    for fp8 in (False, True):
+        layer = _dropout_layer()
+        fp.make_graphed_callables(layer, (), sample_kwargs={"hidden_states": _hidden()}, fp8_enabled=fp8,
+                                  fp8_recipe=RECIPE, num_warmup_iters=2)
+        x = _hidden(requires_grad=False)
+        seen = []
+        for _ in range(2):
+            inp = x.clone().requires_grad_()
+            with fp.autocast(recipe=RECIPE) if fp8 else fp.autocast(enabled=False):
+                out = layer(hidden_states=inp)[0]
+            out.float().square().mean().backward()
+            assert torch.isfinite(out).all() and torch.isfinite(inp.grad).all()
+            assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+            seen.append(out.detach().clone())
+        assert layer.forward.replay_count == 2 and layer.forward.eager_count == 0
+        if not fp8:  # same weights and input: only dropout makes the two replays differ
+            assert not torch.equal(seen[0], seen[1]), "dropout drew the same masks on two replays"
+
+
+def _check_plain_tracker_refused():
+    """A tracker seeded without graph-safe states, forked by the layer: a clear error before capture (naming
+    the fix), FP8 state untouched, and the layer still runs eagerly afterwards."""
+    _seed_tracker(graph_safe=False)
+    layer = _dropout_layer()
+    before = fp8_state([layer])
+    try:
+        fp.make_graphed_callables(layer, (), sample_kwargs={"hidden_states": _hidden()}, fp8_enabled=True,
+                                  fp8_recipe=RECIPE, num_warmup_iters=1)
+    except RuntimeError as e:
+        assert "use_cudagraphable_rng=True" in str(e) and "RNG tracker" in str(e), str(e)
+    else:
+        raise AssertionError("a plain RNG tracker forked by the layer was not refused")
+    assert not torch.cuda.is_current_stream_capturing()
+    assert all(torch.equal(a, b) for a, b in zip(before, fp8_state([layer])))
+    assert not isinstance(layer.forward, fp.GraphedCallable)
+    with fp.autocast(recipe=RECIPE):
+        out = layer(hidden_states=_hidden())[0]
+    assert torch.isfinite(out).all()
+
+
+def _check_dropout_layer_matches_eager():
+    """Graphed and eager twins of a TransformerLayer with dropout, started from the same RNG states (torch's
+    and the tracker's): equal outputs and gradients, bitwise, on two consecutive calls."""
+    import copy
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    _seed_tracker(graph_safe=True)
+    plain = _dropout_layer()
+    graphed = copy.deepcopy(plain)
+    fp.make_graphed_callables(graphed, (), sample_kwargs={"hidden_states": _hidden()}, num_warmup_iters=2)
+    generators = list(get_cuda_rng_tracker().get_states().values())
+    start = (torch.cuda.get_rng_state(), [g.get_state() for g in generators])
+    xs = [_hidden(requires_grad=False) for _ in range(2)]
+    results = []
+    for layer in (plain, graphed):
+        torch.cuda.set_rng_state(start[0])
+        for g, state in zip(generators, start[1]):
+            g.set_state(state)
+        seen = []
+        for x in xs:
+            inp = x.clone().requires_grad_()
+            out = layer(hidden_states=inp)[0]
+            out.float().square().mean().backward()
+            seen += [out.detach().clone(), inp.grad]
+        seen += [p.grad.clone() for p in layer.parameters()]
+        results.append(seen)
+    assert graphed.forward.replay_count == 2
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"item {i}: max abs diff {(a.float() - b.float()).abs().max()}"
+
+
 if __name__ == "__main__":
+    if MODE == "dropout":
+        run_checks([("graph_safe_tracker_dropout_captures", _check_graph_safe_tracker_dropout),
+                    ("plain_tracker_refused_before_capture", _check_plain_tracker_refused)])
+        ps.destroy()
+        sys.exit(0)
+    if MODE == "dropout-eager":
+        run_checks([("graphed_dropout_layer_matches_eager", _check_dropout_layer_matches_eager)])
+        ps.destroy()
+        sys.exit(0)
     if STACK:
         run_checks([("graphed_stack_matches_eager", _compare_stack(False)),
                     ("graphed_stack_cached_weights_matches_eager", _compare_stack(True))])

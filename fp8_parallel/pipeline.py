@@ -83,11 +83,15 @@ class GraphedPipeline:
     `forward_step(func)` wraps megatron's forward step: each call for chunk c points chunk c's graphed
     layers at the chunk's next microbatch (so its forward replays that microbatch's graphs; autograd replays
     the matching backward graphs when the schedule runs the backward), then calls `func` unchanged.
+
+    Attributes:
+        graphed: per chunk, its layers' `GraphedCallable`s (replay and eager counts, `reset`).
     """
 
-    def __init__(self, chunks: list, layers: List[list], num_microbatches: int):
+    def __init__(self, chunks: list, layers: List[list], num_microbatches: int, graphed: List[list]):
         self.chunks = chunks
         self.layers = layers
+        self.graphed = graphed
         self.num_microbatches = num_microbatches
         self._next = [0] * len(chunks)
 
@@ -101,16 +105,22 @@ class GraphedPipeline:
         def graphed_forward_step(data_iterator, model):
             c = self._chunk_index(model)
             mb = self._next[c]
-            for layer in self.layers[c]:
-                layer.forward.next_microbatch = mb
+            for call in self.graphed[c]:
+                call.next_microbatch = mb
             self._next[c] = (mb + 1) % self.num_microbatches
             return forward_step_func(data_iterator, model)
 
         return graphed_forward_step
 
-    def reset(self) -> None:
+    def rewind(self) -> None:
         """Start every chunk at microbatch 0 (e.g. after an interrupted step)."""
         self._next = [0] * len(self.chunks)
+
+    def reset(self) -> None:
+        """Release every layer's graphs (the layers run eagerly afterwards), as `GraphedCallable.reset`."""
+        for calls in self.graphed:
+            for call in calls:
+                call.reset()
 
 
 def graph_megatron_layers(
@@ -135,8 +145,12 @@ def graph_megatron_layers(
     (None: the layers are captured outside FP8; layers that open their own scope are recorded either way).
     Use the returned object's `forward_step(func)` as megatron's `forward_step_func`.
 
+    Layers with dropout fork megatron's RNG tracker; capturing them needs its graph-safe states
+    (`model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)`), which every graph registers.
+
     Raises:
         ValueError: chunks with different layer counts, or full activation recompute (not capturable).
+        RuntimeError: layers that fork a tracker without graph-safe states (before any capture).
     """
     from megatron.core import parallel_state as mpu
 
@@ -162,4 +176,4 @@ def graph_megatron_layers(
         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe, fp8_weight_caching=fp8_weight_caching,
         order=order, pool=pool,
     )
-    return GraphedPipeline(chunks, layers, num_microbatches)
+    return GraphedPipeline(chunks, layers, num_microbatches, [[layer.forward for layer in ls] for ls in layers])

@@ -189,13 +189,13 @@ def test_cpu_fallback_warns_once_per_call():
 
 def test_megatron_layer_stack_in_pipeline_order_matches_eager():
     """megatron TransformerLayers with our spec, 2 chunks x 2 layers, 4 microbatches, 3 iterations."""
-    launch("graph_checks.py", 1, ["stack"], timeout=300, expect_checks=[
+    launch("graph_checks.py", 1, ["stack"], timeout=900, expect_checks=[
         "graphed_stack_matches_eager", "graphed_stack_cached_weights_matches_eager"])
 
 
 def test_megatron_schedule_drives_graphed_layers_tp2_pp2_vpp2():
     """megatron's interleaved schedule with the forward-step adapter matches the plain model exactly."""
-    launch("graph_checks.py", 4, ["2", "2", "2"], timeout=400, expect_checks=[
+    launch("graph_checks.py", 4, ["2", "2", "2"], timeout=1200, expect_checks=[
         "graphed_layers_match_plain_tp2_pp2_vpp2", "graphed_layers_cached_weights_match_plain_tp2_pp2_vpp2"])
 
 

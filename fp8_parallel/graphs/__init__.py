@@ -16,12 +16,23 @@ conventions; see its docstring). What FP8 needs on top of plain CUDA graphs:
   again whatever the flag would say, so a cached FP8 weight is never used stale).
 * Warm-up and capture leave amax histories and scales as they were (saved before, restored after).
 
+* RNG: code that forks megatron's RNG tracker (dropout) is captured with the tracker's graph-safe states
+  registered with every graph; a tracker without them is refused before capture, with the fix in the
+  message. CUDA RNG states are restored after capture, so graphing does not move the random streams.
+* Replay only where it reproduces the eager call (same training mode, grad enabled, the captured FP8 recipe
+  and group, or FP8 off for callables captured without it); other calls run eagerly, an FP8 mismatch says
+  so once per reason, and `replay_count` / `eager_count` count the calls.
+
+TransformerEngine's keyword names are accepted (`_order` also gives its return layout: one callable per
+chunk, microbatch and layer; a per-callable `fp8_enabled` tuple; `reset()` releases graphs); differences
+are in `make_graphed_callables`'s docstring.
+
 Without CUDA the same objects run the callables eagerly per call (same recording and registration path,
 one warning), so CPU tests exercise the code that graphs use.
 """
 from __future__ import annotations
 
 from .capture import make_graphed_callables
-from .graphed_callable import GraphedCallable
+from .graphed_callable import GraphedCallable, GraphedMicrobatch
 
-__all__ = ["GraphedCallable", "make_graphed_callables"]
+__all__ = ["GraphedCallable", "GraphedMicrobatch", "make_graphed_callables"]

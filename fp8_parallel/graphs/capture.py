@@ -106,12 +106,14 @@ def make_graphed_callables(
         (whose calls replay microbatch after microbatch); for other callables a `GraphedCallable`; a tuple of
         them for a sequence. With `_order` (as TransformerEngine): a tuple of `GraphedMicrobatch` callables,
         one per (chunk, microbatch, layer) in the layout of `sample_args`, each replaying that microbatch's
-        graphs; modules keep their own `forward`. Each has `reset()`, which releases its graphs (later calls
+        graphs (a single callable with one microbatch: that callable alone); modules keep their own
+        `forward`. Each has `reset()`, which releases its graphs (later calls
         run eagerly). Without CUDA everything runs eagerly on every call (same semantics; one warning).
 
     Raises:
-        ValueError: a malformed order, sample counts that fit no layout, modules with hooks, trainable
-            buffers. RuntimeError: the callables fork megatron's RNG tracker without graph-safe states (before
+        ValueError: a malformed order, sample counts that fit no layout, hooks on a module or any of its
+            submodules (TransformerEngine checks the module only; a submodule's hook would silently not run
+            on replay), trainable buffers. RuntimeError: the callables fork megatron's RNG tracker without graph-safe states (before
             any capture; the message names the fix). NotImplementedError: `fp8_calibrating=True`.
     """
     if order is not None and _order is not None:
@@ -203,7 +205,7 @@ def make_graphed_callables(
         for i, graphed in enumerate(results):
             for mb in range(layout.microbatches):
                 views[layout.sample_index(i, mb)] = graphed.microbatch(mb)
-        return tuple(views)
+        return views[0] if single and len(views) == 1 else tuple(views)
     return results[0] if single else tuple(results)
 
 

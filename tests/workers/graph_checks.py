@@ -138,9 +138,11 @@ def _compare(caching: bool):
                                             num_warmup_iters=2)
             expected = _train(plain_chunks, cfg, None, caching)
             got = _train(graphed_chunks, cfg, graphed, caching)
-        for layers in graphed.layers:
-            for layer in layers:
-                assert layer.forward.replay_count == STEPS * M, layer.forward.replay_count
+        for calls in graphed.graphed:
+            for call in calls:
+                assert call.replay_count == STEPS * M and call.eager_count == 0, (call.replay_count, call.eager_count)
+        graphed.reset()  # releases every layer's graphs: the layers get their own forward back
+        assert not any(isinstance(layer.forward, fp.GraphedCallable) for ls in graphed.layers for layer in ls)
         for step, ((l1, g1, s1), (l2, g2, s2)) in enumerate(zip(expected, got)):
             assert len(g1) == len(g2) and g1 and len(s1) == len(s2) and s1
             for what, xs, ys in (("loss", l1, l2), ("grad", g1, g2), ("fp8 state", s1, s2)):

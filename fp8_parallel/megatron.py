@@ -136,20 +136,27 @@ def get_gpt_layer_spec(
     moe_grouped_gemm: bool = False,
     qk_layernorm: bool = False,
     normalization: str = "LayerNorm",
+    attention_backend: str = "sdpa",
 ) -> ModuleSpec:
     """A `TransformerLayer` spec with this package's FP8 modules (QKV and fc1 with the norm fused in front).
 
     Set `config.normalization` to the same value. MoE experts: `moe_grouped_gemm=True` gives
     `FP8GroupedMLP` (one grouped linear per projection), False megatron's SequentialMLP of FP8 linears.
+    Core attention: `attention_backend="sdpa"` (torch SDPA, context parallel; `modules.attention`) or
+    "local" (megatron's `DotProductAttention`).
     """
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization={normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
+    if attention_backend not in ("sdpa", "local"):
+        raise ValueError(f"attention_backend={attention_backend!r}: expected 'sdpa' or 'local'")
+    from .modules.attention import SDPADotProductAttention
+
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=LayerNormColumnParallelLinear,
-            core_attention=DotProductAttention,
+            core_attention=SDPADotProductAttention if attention_backend == "sdpa" else DotProductAttention,
             linear_proj=RowParallelLinear,
             q_layernorm=Norm if qk_layernorm else IdentityOp,
             k_layernorm=Norm if qk_layernorm else IdentityOp,

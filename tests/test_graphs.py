@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fp8_parallel as fp
+from fp8_parallel.graphs import GraphedMicrobatch
 from fp8_parallel.pipeline import capture_order
 from launcher import launch
 from order_driver import fp8_state, run_in_order
@@ -275,6 +276,9 @@ def test_te_order_keywords_are_checked():
         fp.make_graphed_callables((Block(), Block()), [x] * 4, _order=[1, 2, -2, -1], _num_layers_per_chunk=[1, 2])
     with pytest.raises(ValueError, match="_num_layers_per_chunk needs an order"):
         fp.make_graphed_callables(block, x, _num_layers_per_chunk=1)
+    one = fp.make_graphed_callables(block, x, fp8_enabled=None, fp8_weight_caching=None, _order=[1, -1])
+    assert isinstance(one, GraphedMicrobatch) and one.graphed.module is block  # TE: one callable, one graph
+    assert not isinstance(block.forward, fp.GraphedCallable)
 
 
 def test_per_callable_fp8_enabled_tuple_is_honoured(seed):

@@ -148,12 +148,12 @@ def test_eager_fallbacks_warn_once_count_and_reset_releases_graphs():
     with pytest.warns(UserWarning, match="called in a scope with recipe") as caught:
         with fp.autocast(recipe=other):
             a = graphed(x)
-    assert repr(recipe) in str(caught[0].message) and repr(other) in str(caught[0].message)
+    assert any(repr(recipe) in str(w.message) and repr(other) in str(w.message) for w in caught)
     with fp.autocast(recipe=other):
         b = plain(x)
     assert torch.equal(a, b) and call.eager_count == 1 and call.replay_count == 0
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once already
+        warnings.filterwarnings("error", message="fp8_parallel: graphed")  # said once already
         with fp.autocast(recipe=other):
             graphed(x)
         with fp.autocast(recipe=other):

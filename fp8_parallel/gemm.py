@@ -8,8 +8,14 @@ Convention ("TN", as the FP8 tensor cores want it): `fp8_gemm(a, b)` computes `a
     wgrad  dW = dy.T @ x   -> fp8_gemm(dy.transpose_2d(), x.transpose_2d())
 
 cuBLAS refuses FP8 GEMMs whose K or N is not a multiple of 16 and E5M2 x E5M2; the CPU kernel checks
-neither, so this wrapper does, on every device. Odd K or N is zero-padded (exact: padding adds zero terms
-or columns that are sliced off), or refused with `pad=False`.
+neither, so this wrapper does, on every device.
+
+Alignment. An unaligned K or N is refused (`FP8GemmShapeError` naming the sizes) unless the caller asks for
+padding with `pad=True`: then both operands are zero-padded to multiples of 16 (exact: padding adds zero
+terms to every dot product, and zero columns that are dropped). Whatever the path, the result is an ordinary
+contiguous tensor of shape `[M, N]`, never a view into a padded buffer (a strided view is silently dropped by
+communication that works on `.contiguous()` copies, as megatron's tensor-parallel all-reduce does). An empty
+M or K gives a zero-filled result without a GEMM.
 """
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     bias: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
-    pad: bool = True,
+    pad: bool = False,
 ) -> torch.Tensor:
     """`a @ b.T` in FP8 with float32 accumulation (or fast accumulation), result in `out_dtype`.
 
@@ -78,27 +84,33 @@ def fp8_gemm(
         out_dtype: result dtype (bfloat16, float16 or float32).
         bias: optional `[N]` bias added to the result (in `out_dtype`).
         use_fast_accum: Hopper fast accumulation (fine for the forward GEMM; keep False for gradients).
-        pad: zero-pad K and N to multiples of 16 when needed; False raises `FP8GemmShapeError` instead.
+        pad: zero-pad an unaligned K or N to a multiple of 16 (exact); False (default) refuses it.
+
+    Returns:
+        A contiguous `[M, N]` tensor of `out_dtype`.
 
     Raises:
         FP8GemmShapeError: a layout, alignment or dtype pair the GPU refuses.
     """
     _check(a, b)
-    k, n = a._data.shape[1], b._data.shape[0]
+    m, k, n = a._data.shape[0], a._data.shape[1], b._data.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise FP8GemmShapeError(f"fp8_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if m == 0 or k == 0:  # nothing to multiply (an expert without tokens): no GEMM is launched
+        out = torch.zeros((m, n), dtype=out_dtype, device=a._data.device)
+        return out + bias.to(out_dtype) if bias is not None and m else out
     a_data, b_data = a._data, b._data
     if k % ALIGN or n % ALIGN:
         if not pad:
             raise FP8GemmShapeError(
                 f"fp8_gemm: K={k} and N={n} must be multiples of {ALIGN} (a {tuple(a._data.shape)}, "
-                f"b {tuple(b._data.shape)})"
+                f"b {tuple(b._data.shape)}); pass pad=True for exact zero padding"
             )
         kp, np_ = _round_up(k), _round_up(n)
         a_data, b_data = _pad_cols(a_data, kp), _pad_rows(_pad_cols(b_data, kp), np_)
     result_dtype = out_dtype
     bias_arg = None
     if bias is not None:
-        if bias.shape != (n,):
-            raise FP8GemmShapeError(f"fp8_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
         if out_dtype == torch.float32 or b_data.shape[0] != n:
             result_dtype = torch.float32  # add the bias after the GEMM
         else:
@@ -116,4 +128,5 @@ def fp8_gemm(
         out = out[:, :n]
     if bias is not None and bias_arg is None:
         out = out + bias.float()
-    return out.to(out_dtype) if out.dtype != out_dtype else out
+    out = out.to(out_dtype) if out.dtype != out_dtype else out
+    return out.contiguous()  # a padded result's column slice is copied out of its buffer

@@ -33,6 +33,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .recipe import CurrentScaling, DelayedScaling, Format, Recipe
 from .scopes import autocast
+from .expert_scope import expert_amax_group as _expert_group, expert_scope  # noqa: F401 (re-exported)
 from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, RowParallelLinear
 from .modules.norm import Norm
 
@@ -73,12 +74,6 @@ def _dense_group(config) -> Optional[dist.ProcessGroup]:
     return None
 
 
-def _expert_group() -> Optional[dist.ProcessGroup]:
-    import parallel_state
-
-    return parallel_state.expert_amax_group() if parallel_state.is_initialized() else None
-
-
 def is_bf16_layer(config, layer_no: int) -> bool:
     """Whether global layer `layer_no` (0-based) stays in high precision under `first_last_layers_bf16`."""
     if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
@@ -94,19 +89,6 @@ def fp8_context(config, layer_no: int = -1, is_expert: bool = False) -> autocast
     if recipe is None or is_bf16_layer(config, layer_no):
         return autocast(enabled=False)
     return autocast(recipe=recipe, group=_expert_group() if is_expert else _dense_group(config))
-
-
-def expert_scope():
-    """A scope for MoE experts: the enclosing scope's recipe, over the expert amax domain (a no-op outside an
-    enabled scope)."""
-    import contextlib
-
-    from .scopes import current_scope
-
-    scope = current_scope()
-    if scope is None or not scope.enabled:
-        return contextlib.nullcontext()
-    return autocast(recipe=scope.recipe, group=_expert_group())
 
 
 class FP8TransformerLayer(TransformerLayer):

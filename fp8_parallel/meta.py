@@ -31,7 +31,16 @@ class FP8Meta(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(num_tensors, history_len, device=device))
         self.register_buffer("scale", torch.ones(num_tensors, device=device))
         self.register_buffer("nonfinite_count", torch.zeros(num_tensors, dtype=torch.int64, device=device))
-        self.storage_id = next(_ALLOCATIONS)  # changes whenever the buffers are replaced (cached addresses)
+        # changes whenever a buffer is replaced (`_apply`/`.to()`, a resize, an assignment): the key of cached
+        # device addresses
+        self.storage_id = next(_ALLOCATIONS)
+
+    def __setattr__(self, name: str, value) -> None:
+        # any replacement of a buffer (load_state_dict(assign=True), a direct assignment) is a new storage:
+        # device address tables built from the old buffers must not be used again
+        super().__setattr__(name, value)
+        if name in ("amax_history", "scale", "nonfinite_count"):
+            super().__setattr__("storage_id", next(_ALLOCATIONS))
 
     def _apply(self, fn, recurse=True):
         before = dict(self._buffers)

@@ -59,13 +59,23 @@ def quantize_2d(
     with_data: bool = True,
 ) -> None:
     """Fused cast of `x` (viewed as `[M, N]`) into `out` (and `transpose`), amax into `amax_out`.
-    `with_data=False` writes the transpose only (`out` then only provides `scale_inv`)."""
+    `with_data=False` writes the transpose only (`out` then only provides `scale_inv`).
+
+    32-bit inputs: the kernel writes the row-major data (and amax) only, and the transpose is a copy of those
+    FP8 bytes. Measured on H200 (Triton 3.6): the kernel's transposed store from a float32 tile wrote about a
+    quarter of the transpose wrong whenever the sizes were multiples of 16 (so the store was vectorized); the
+    E5M2 grad_output transpose then held NaN bytes and every float32 weight gradient came out NaN. The
+    row-major store is exact for every input dtype, and 16-bit inputs are exact with the fused transpose.
+    """
     from .recipe import fp8_max
 
     x2 = x.detach().reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape
+    if transpose is not None and x2.element_size() > 2:
+        _quantize_then_transpose(x2, scale, out, transpose, amax_out, noop_flag, with_data)
+        return
     # tiles measured on H200 (docs/benchmarks.md): 64x128 beat 64x64 by 4-7% with the transpose at every
     # shape tried; without it 32x256
     block_m, block_n = (64, 128) if transpose is not None else (32, 256)
@@ -80,6 +90,17 @@ def quantize_2d(
         WITH_T=transpose is not None, WITH_AMAX=amax_out is not None, WITH_NOOP=noop_flag is not None,
         WITH_DATA=with_data, num_warps=4 if transpose is not None else 8,
     )
+
+
+def _quantize_then_transpose(x2, scale, out, transpose, amax_out, noop_flag, with_data: bool) -> None:
+    """The fused cast without its transposed store, then the transpose as a copy of the FP8 bytes (the
+    32-bit-input path of `quantize_2d`). A set `noop_flag` leaves the data, and so the transpose, unchanged."""
+    from .tensor import Float8Tensor, _fill_transpose
+
+    data = out._data if with_data else torch.empty(x2.shape, dtype=transpose._data.dtype, device=x2.device)
+    rows = Float8Tensor(data.view(x2.shape), out._scale_inv, out.dtype)
+    quantize_2d(x2, scale, rows, None, amax_out, noop_flag)
+    _fill_transpose(transpose._data, rows._data, noop_flag)
 
 
 if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":

@@ -13,11 +13,13 @@ def _gen():
     return torch.Generator(device="cuda").manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
 
 
-@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 776), (3, 17, 48)])
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 776), (3, 17, 48), (64, 64), (256, 192)])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("with_t", [False, True])
-def test_triton_quantize_equals_torch(shape, fp8_dtype, with_t):
-    x = torch.randn(shape, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 7
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_quantize_equals_torch(shape, fp8_dtype, with_t, hp_dtype):
+    # (64, 64) and (256, 192) float32: the fused transposed store wrote a quarter of the transpose wrong
+    x = (torch.randn(shape, device="cuda", generator=_gen()) * 7).to(hp_dtype)
     x.view(-1)[5] = 1e6  # saturates
     scale = torch.full((1,), 31.0, device="cuda")
     slot_t, slot_r = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
@@ -78,13 +80,144 @@ def test_quantize_and_gemm_capture_in_cuda_graph():
     assert slot.item() == x.float().abs().max().item()
 
 
-@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 776)])
-def test_transpose_only_cast_equals_cast_transpose(shape):
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 776), (64, 64), (256, 192)])
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_transpose_only_cast_equals_cast_transpose(shape, hp_dtype):
     from fp8_parallel.quantize import quantize_transposed
 
-    x = torch.randn(shape, device="cuda", generator=_gen(), dtype=torch.bfloat16)
+    x = torch.randn(shape, device="cuda", generator=_gen()).to(hp_dtype)
     scale = torch.full((1,), 17.0, device="cuda")
     a = quantize(x, scale, E4M3, with_transpose=True)
     b = quantize_transposed(x, scale, E4M3)
+    ref = quantize(x, scale, E4M3, with_transpose=True, force_torch=True).transpose_2d(update_cache=False)._data
     assert torch.equal(a.transpose_2d(update_cache=False)._data.view(torch.uint8), b._data.view(torch.uint8))
+    assert torch.equal(b._data.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(a._scale_inv, b._scale_inv)
+
+
+def test_float32_transpose_under_noop_flag_keeps_old_bytes():
+    """The 32-bit-input path (row-major cast, then a byte transpose) honours the device-side no-op flag."""
+    x = torch.randn(64, 128, device="cuda", generator=_gen())
+    out = quantize(x, torch.full((1,), 9.0, device="cuda"), E4M3, with_transpose=True)
+    before, before_t = out._data.clone(), out.transpose_2d(update_cache=False)._data.clone()
+    quantize(x * 5, torch.full((1,), 9.0, device="cuda"), E4M3, out=out, with_transpose=True,
+             noop_flag=torch.ones(1, device="cuda"))
+    assert torch.equal(out._data.view(torch.uint8), before.view(torch.uint8))
+    assert torch.equal(out.transpose_2d(update_cache=False)._data.view(torch.uint8), before_t.view(torch.uint8))
+
+
+# ---- FP8 linear, every parameter dtype, both recipes, aligned and unaligned sizes -----------------------------
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _linear_case(pdt, recipe, m, k, n, leaf, is_first_microbatch, seed):
+    import fp8_parallel as fp
+    from fp8_parallel.modules import FP8State, fp8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.nn.Parameter((torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(pdt))
+    b = torch.nn.Parameter(torch.randn(n, device="cuda", generator=g).to(pdt))
+    state = FP8State("gpu-linear", device="cuda")
+    for step in range(3):
+        x0 = (torch.randn(m, k, device="cuda", generator=g) * 2).to(pdt)
+        x = x0.clone().requires_grad_()
+        xin = x if leaf else x * 1.0
+        dy = torch.randn(m, n, device="cuda", generator=g).to(pdt)
+        w.grad = b.grad = None
+        with fp.autocast(recipe=recipe):
+            y = fp8_linear(xin, w, b, state, is_first_microbatch=(step == 0) if is_first_microbatch else None)
+        y.backward(dy)
+        x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x0, w, b))
+        y64 = torch.nn.functional.linear(x64, w64, b64)
+        y64.backward(dy.double())
+        for name, got in (("output", y), ("input grad", x.grad), ("weight grad", w.grad), ("bias grad", b.grad)):
+            assert got.dtype == pdt and got.is_contiguous(), (name, got.dtype)
+            assert torch.isfinite(got).all(), f"step {step}: {name} not finite ({pdt}, {recipe})"
+        # E4M3 forward (~4% per element), E5M2 gradients (~8%); 16-bit outputs round once more
+        assert _rel(y.detach(), y64) < 0.08, ("output", _rel(y.detach(), y64))
+        assert _rel(x.grad, x64.grad) < 0.12, ("input grad", _rel(x.grad, x64.grad))
+        assert _rel(w.grad, w64.grad) < 0.12, ("weight grad", _rel(w.grad, w64.grad))
+        assert _rel(b.grad, b64.grad) < 1e-2, ("bias grad", _rel(b.grad, b64.grad))
+
+
+@pytest.mark.parametrize("pdt", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("mkn", [(64, 64, 64), (256, 128, 192), (21, 30, 50), (96, 40, 24)])
+@pytest.mark.parametrize("leaf,cache", [(True, False), (False, False), (True, True)])
+def test_fp8_linear_every_dtype_matches_float64(pdt, recipe_name, mkn, leaf, cache):
+    """float32 parameters gave non-finite weight gradients on the GPU (NaN bytes in the E5M2 transpose)."""
+    import fp8_parallel as fp
+
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print(f"seed {seed}")
+    recipe = fp.DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else fp.CurrentScaling()
+    _linear_case(pdt, recipe, *mkn, leaf, cache, seed)
+
+
+@pytest.mark.parametrize("pdt", [torch.float32, torch.float16, torch.bfloat16])
+def test_grouped_experts_with_an_empty_expert(pdt):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import fp8_parallel as fp
+    from fp8_parallel.modules.grouped import GroupedLinear
+
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, perform_initialization=False,
+                            params_dtype=pdt)
+    lin = GroupedLinear(3, 64, 48, partition="column", config=cfg, init_method=None, bias=True).cuda()
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=g) / 8)
+    splits = [17, 0, 30]
+    x = torch.randn(sum(splits), 64, device="cuda", generator=g).to(pdt).requires_grad_()
+    for recipe in (fp.DelayedScaling(), fp.CurrentScaling()):
+        for p in lin.parameters():
+            p.grad = None
+        with fp.autocast(recipe=recipe):
+            y = lin(x, splits)
+        y.float().pow(2).sum().backward()
+        assert y.shape == (47, 48) and torch.isfinite(y).all()
+        assert all(torch.isfinite(p.grad).all() for p in lin.parameters())
+        assert torch.equal(lin.weight1.grad, torch.zeros_like(lin.weight1.grad))
+        ref = torch.cat([x[:17].double() @ lin.weight0.double().t() + lin.bias0.double(),
+                         x[17:].double() @ lin.weight2.double().t() + lin.bias2.double()])
+        assert _rel(y.detach(), ref) < 0.08
+
+
+@pytest.mark.parametrize("how", ["assign", "to"])
+def test_fused_amax_update_writes_replaced_buffers(how):
+    """The fused update's address table follows buffers replaced by load_state_dict(assign=True) or `.to()`;
+    the old tensors are never written again."""
+    import fp8_parallel as fp
+    from fp8_parallel.modules import FP8State, fp8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(64, 64, device="cuda", generator=g, requires_grad=True)
+    state = FP8State("gpu-addresses", device="cuda")
+    recipe = fp.DelayedScaling(amax_history_len=4)
+
+    def step(scale):
+        x = torch.randn(32, 64, device="cuda", generator=g) * scale
+        with fp.autocast(recipe=recipe):
+            y = fp8_linear(x, w, None, state)
+        y.sum().backward()
+        return x.abs().max()
+
+    step(1.0)
+    old = {k: v for k, v in state.state_dict(keep_vars=True).items()}
+    old_copy = {k: v.clone() for k, v in old.items()}
+    if how == "assign":
+        state.load_state_dict({k: v.clone() for k, v in old.items()}, assign=True)
+    else:
+        state.cpu()
+        state.cuda()  # moved away and back: new tensors
+    assert state.fwd.amax_history.data_ptr() != old["fwd.amax_history"].data_ptr()
+    amax = step(3.0)
+    torch.cuda.synchronize()
+    for k, v in old.items():  # the replaced tensors were not written
+        assert torch.equal(v, old_copy[k]), k
+    assert state.fwd.amax_history[0, 0] == amax  # the live buffers were
+    torch.testing.assert_close(state.fwd.scale[0], 448.0 / state.fwd.amax_history[0].max(), rtol=1e-6, atol=0)

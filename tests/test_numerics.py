@@ -288,13 +288,31 @@ def test_gemm_matches_dequantized_float64(gen, m, k, n, out_dtype, with_bias):
     a, _ = _q(gen, m, k)
     b, _ = _q(gen, n, k, fp8_dtype=E5M2)
     bias = _rand(gen, n, dtype=out_dtype) if with_bias else None
-    y = fp8_gemm(a, b, out_dtype, bias=bias)
+    aligned = k % 16 == 0 and n % 16 == 0
+    y = fp8_gemm(a, b, out_dtype, bias=bias, pad=not aligned)  # unaligned sizes pad only when asked to
     ref = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
     if with_bias:
         ref = ref + bias.double()
     tol = dict(rtol=1e-5, atol=1e-4) if out_dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
     assert y.dtype == out_dtype and y.shape == (m, n)
+    # an ordinary tensor, never a view into a padded buffer (communication would drop a view's copy)
+    assert y.is_contiguous() and y.stride() == (n, 1) and y.storage_offset() == 0
+    assert y.untyped_storage().nbytes() == m * n * y.element_size()
     torch.testing.assert_close(y.double(), ref, **tol)
+    if not aligned:
+        with pytest.raises(FP8GemmShapeError, match=f"K={k} and N={n} must be multiples of 16"):
+            fp8_gemm(a, b, out_dtype)
+
+
+@pytest.mark.parametrize("m,k", [(0, 32), (24, 0), (0, 0)])
+def test_gemm_of_an_empty_operand_is_zero(gen, m, k):
+    """An expert without tokens: M = 0 (fprop, dgrad) or K = 0 (wgrad) gives zeros, no GEMM, no padding."""
+    a = quantize(torch.randn(m, k, generator=gen), torch.ones(1), E5M2)
+    b = quantize(torch.randn(16, k, generator=gen), torch.ones(1), E4M3)
+    bias = torch.randn(16, generator=gen)
+    y = fp8_gemm(a, b, torch.float32, bias=bias)
+    ref = torch.zeros(m, 16) + (bias if m and k == 0 else 0)
+    assert y.shape == (m, 16) and y.is_contiguous() and torch.equal(y, ref)
 
 
 def test_gemm_enforces_gpu_layout_rules(gen):

@@ -103,7 +103,8 @@ def make_graphed_callables(
 
     Returns:
         Without `_order`: for a module, the module itself with `forward` replaced by a `GraphedCallable`
-        (whose calls replay microbatch after microbatch); for other callables a `GraphedCallable`; a tuple of
+        (whose calls replay microbatch after microbatch; `module.reset` is set to its `reset` unless the
+        module has a `reset` already); for other callables a `GraphedCallable`; a tuple of
         them for a sequence. With `_order` (as TransformerEngine): a tuple of `GraphedMicrobatch` callables,
         one per (chunk, microbatch, layer) in the layout of `sample_args`, each replaying that microbatch's
         graphs (a single callable with one microbatch: that callable alone); modules keep their own
@@ -197,6 +198,8 @@ def make_graphed_callables(
             results.append(graphed)
         elif e["module"] is not None:
             e["module"].forward = graphed
+            if not hasattr(e["module"], "reset"):  # as TransformerEngine: `module.reset()` releases its graphs
+                e["module"].reset = graphed.reset
             results.append(e["module"])
         else:
             results.append(graphed)

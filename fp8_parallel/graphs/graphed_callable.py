@@ -172,6 +172,8 @@ class GraphedCallable:
                 del module.forward  # the class's forward again
             else:
                 module.forward = self.original
+        if module is not None and module.__dict__.get("reset") == self.reset:
+            del module.reset
 
 
 class GraphedMicrobatch:

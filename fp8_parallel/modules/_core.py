@@ -115,11 +115,16 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     return _Plan(recipe, scale, slots, key, counts)
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """`max |t|` as a 0-d tensor; 0 for an empty tensor (an expert without tokens)."""
+    return t.detach().abs().amax() if t.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
+
+
 def _cast(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noop_flag=None):
     if isinstance(recipe, CurrentScaling):
         from ..recipe import fp8_max
 
-        scale = current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), recipe.eps).reshape(1)
+        scale = current_scale(_amax(x), fp8_max(fp8_dtype), recipe.eps).reshape(1)
     return quantize(x, scale, fp8_dtype, amax_out=slot, out=out, with_transpose=with_transpose, noop_flag=noop_flag)
 
 
@@ -129,7 +134,7 @@ def _input_scale(x: torch.Tensor, plan: _Plan, fp8_dtype: torch.dtype) -> torch.
     if isinstance(plan.recipe, CurrentScaling):
         from ..recipe import fp8_max
 
-        return current_scale(x.detach().abs().amax(), fp8_max(fp8_dtype), plan.recipe.eps).reshape(1)
+        return current_scale(_amax(x), fp8_max(fp8_dtype), plan.recipe.eps).reshape(1)
     return plan.saved_forward_scale(FWD_INPUT)
 
 
@@ -232,7 +237,7 @@ def _weight_transposed(saved, cached, plan: _Plan, w_dtype: torch.dtype) -> Floa
     if w_scale is None:
         from ..recipe import fp8_max
 
-        w_scale = current_scale(weight.detach().abs().amax(), fp8_max(fmt.forward_dtype), plan.recipe.eps).reshape(1)
+        w_scale = current_scale(_amax(weight), fp8_max(fmt.forward_dtype), plan.recipe.eps).reshape(1)
     return quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype)
 
 
@@ -247,6 +252,16 @@ def _backward_slot(plan: _Plan, state: FP8State):
 def _backward_done(plan: _Plan) -> None:
     if plan.counts_backward and plan.key_state is not None:
         plan.key_state.backward_ran()
+
+
+def features_unaligned(weight: torch.Tensor) -> bool:
+    """Whether a layer's (per-rank) features, `weight: [out, in]`, are not both multiples of 16, the FP8
+    GEMMs' alignment. Fixed by the layer's shape: such a layer's GEMMs zero-pad (exact) on every call, an
+    aligned layer's never do. The token count is free, except as the K of the weight-gradient GEMM, which pads
+    that GEMM alone when the count is unaligned."""
+    from ..gemm import ALIGN
+
+    return weight.shape[0] % ALIGN != 0 or weight.shape[-1] % ALIGN != 0
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -266,7 +281,9 @@ class _FP8Linear(torch.autograd.Function):
             qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
             x_saved = [qx.transpose_2d()._data if fp8_wgrad else None, None, None]
             out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
-        y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
+        ctx.pad = features_unaligned(weight)
+        y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True,
+                     pad=ctx.pad)
         qx_sinv = qx._scale_inv
         del qx  # the row-major FP8 input is not needed past fprop
         ctx.wgrad_in_fp8 = wgrad_in_fp8
@@ -297,14 +314,17 @@ class _FP8Linear(torch.autograd.Function):
         # dgrad first; its operands (the row-major grad cast, the weight's transpose) are released before the
         # wgrad GEMM allocates the weight gradient, so the two sets never coexist (lower peak memory)
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_gemm(qg, _weight_transposed(w_saved, ctx.cached_weight, plan, ctx.w_dtype), out_dtype=ctx.x_dtype)
+            grad_x = fp8_gemm(qg, _weight_transposed(w_saved, ctx.cached_weight, plan, ctx.w_dtype), out_dtype=ctx.x_dtype,
+                              pad=ctx.pad)
             if ctx.sp_group is not None:  # the gathered input's gradient: reduce-scatter over the sequence
                 grad_x = reduce_scatter_rows(grad_x, ctx.sp_group)
             grad_x = grad_x.reshape(ctx.x_shape)
         del qg, w_saved
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
-                grad_w = fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, ctx.x_dtype), out_dtype=ctx.w_dtype)
+                tokens_unaligned = qg_t._data.shape[1] % 16 != 0
+                grad_w = fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, ctx.x_dtype), out_dtype=ctx.w_dtype,
+                                  pad=ctx.pad or tokens_unaligned)
                 del qg_t, x_saved
             else:
                 grad_w = (g2.t().float() @ hp_x.float()).to(ctx.w_dtype)

@@ -5,6 +5,10 @@ block of rows of its input (`m_splits`, the token counts the dispatcher produced
 amaxes and scales: experts see different tokens. As megatron's expert layers ("explicit expert
 communication"), these layers communicate nothing themselves: the token dispatcher gathers and combines.
 With expert-TP, fc1 is split along its output and fc2 along its input.
+
+The amax layout of a scope depends on the model only, never on routing: every expert runs its FP8 linear
+every step, also with no tokens (its input and grad_output amaxes are then 0, which leaves their histories
+unrolled), so all ranks of an expert amax domain register the same slots in the same order.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from ..expert_scope import expert_scope
 from ._core import FP8State, fp8_linear, history_len_of
 
 
@@ -58,17 +63,24 @@ class GroupedLinear(torch.nn.Module):
             for i in range(num_gemms)
         )
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
-        if len(m_splits) != self.num_gemms:
-            raise ValueError(f"GroupedLinear: {len(m_splits)} splits for {self.num_gemms} GEMMs")
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """Expert `i` on rows `sum(m_splits[:i]) : sum(m_splits[:i+1])` of `x: [tokens, in]`.
+
+        `is_first_microbatch`: weight caching, as in `fp8_linear` (True casts and caches every expert's weight,
+        False reuses the casts, None casts every call). An expert with no rows still runs (see the module
+        docstring); its output block is empty and its weight gradient zero.
+        """
+        splits = [int(m) for m in m_splits]
+        if len(splits) != self.num_gemms:
+            raise ValueError(f"GroupedLinear: {len(splits)} splits for {self.num_gemms} GEMMs")
+        if any(m < 0 for m in splits) or sum(splits) != x.shape[0]:
+            raise ValueError(f"GroupedLinear: m_splits={splits} must be non-negative and sum to the {x.shape[0]} "
+                             f"input rows")
         outs: List[torch.Tensor] = []
         wgrad_in_fp8 = getattr(self.config, "fp8_wgrad", True)
-        for i, chunk in enumerate(torch.split(x, list(m_splits), dim=0)):
+        for i, chunk in enumerate(torch.split(x, splits, dim=0)):
             weight, bias = getattr(self, f"weight{i}"), getattr(self, f"bias{i}")
-            if chunk.shape[0] == 0:  # an expert without tokens: registers nothing, keeps its history
-                outs.append(chunk.new_zeros((0, weight.shape[0])))
-                continue
-            outs.append(fp8_linear(chunk, weight, bias, self.fp8[i], None, wgrad_in_fp8))
+            outs.append(fp8_linear(chunk, weight, bias, self.fp8[i], is_first_microbatch, wgrad_in_fp8))
         return torch.cat(outs, dim=0)
 
 
@@ -90,8 +102,6 @@ class FP8GroupedMLP(MegatronModule):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..megatron import expert_scope
-
         splits = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         with expert_scope():
             h = self.linear_fc1(permuted_local_hidden_states, splits)

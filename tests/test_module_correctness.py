@@ -1,0 +1,68 @@
+"""Correctness of the FP8 linears where results used to be silently wrong: unaligned tensor-parallel sizes,
+experts without tokens, replaced FP8 buffers and the address table of the fused amax update."""
+import torch
+
+import fp8_parallel as fp
+from launcher import launch
+
+
+def test_tp2_unaligned_sizes_match_references():
+    launch("correctness_checks.py", 2, ["tp2"], timeout=400,
+           expect_checks=["tp2_unaligned_delayed", "tp2_unaligned_current"])
+
+
+def test_experts_without_tokens_keep_the_amax_layout():
+    launch("correctness_checks.py", 2, ["ep"], timeout=400,
+           expect_checks=["empty_experts_delayed", "empty_experts_current", "grouped_weight_caching"])
+
+
+def _expected_addresses(metas):
+    rows = [[], [], []]
+    for m in metas:
+        h, s, c = m.amax_history, m.scale, m.nonfinite_count
+        for r in range(m.num_tensors):
+            rows[0].append(h.data_ptr() + r * h.stride(0) * h.element_size())
+            rows[1].append(s.data_ptr() + r * s.element_size())
+            rows[2].append(c.data_ptr() + r * c.element_size())
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_address_table_follows_replaced_buffers():
+    """The fused update's device-address table is rebuilt whenever an FP8 buffer is replaced: by
+    `load_state_dict(assign=True)`, `.to()`/`_apply`, a history resize, or a direct assignment."""
+    from fp8_parallel.amax_table import AmaxTable
+    from fp8_parallel.modules import FP8State
+
+    states = [FP8State(f"t{i}") for i in range(3)]
+    table = AmaxTable("forward", torch.device("cpu"))
+    for st in states:
+        table.slots(st.fwd)
+    metas = [st.fwd for st in states]
+    assert torch.equal(table._addresses(), _expected_addresses(metas))
+    cached = table._addresses()
+    assert table._addresses() is cached  # unchanged buffers: the cached table, no rebuild
+
+    fresh = {k: v.clone() + 1 for k, v in states[1].state_dict().items()}
+    states[1].load_state_dict(fresh, assign=True)
+    assert states[1].fwd.amax_history.data_ptr() == fresh["fwd.amax_history"].data_ptr()
+    assert torch.equal(table._addresses(), _expected_addresses(metas))
+
+    states[0].to(torch.float64)  # a model dtype cast: FP8 state stays float32, in new tensors
+    assert states[0].fwd.scale.dtype == torch.float32
+    assert torch.equal(table._addresses(), _expected_addresses(metas))
+
+    states[2].fwd.ensure_history_len(7)
+    assert torch.equal(table._addresses(), _expected_addresses(metas))
+
+    states[2].fwd.scale = torch.full((2,), 3.0)
+    assert torch.equal(table._addresses(), _expected_addresses(metas))
+
+
+def test_import_grouped_does_not_import_the_megatron_integration():
+    import subprocess
+    import sys
+
+    code = ("import sys; import fp8_parallel.modules.grouped; "
+            "assert 'fp8_parallel.megatron' not in sys.modules, 'grouped imported fp8_parallel.megatron'; "
+            "import fp8_parallel.megatron as m, fp8_parallel.expert_scope as e; assert m.expert_scope is e.expert_scope")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

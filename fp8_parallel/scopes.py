@@ -5,10 +5,13 @@ scope take amax slots from the innermost enabled scope's key state (forward: inp
 grad_output) and write into them; they never talk to process groups. Per key and direction the slots form
 one buffer that costs one all-reduce(MAX) and one batched history/scale update (see `AmaxTable`):
 
-* forward: when the scope that opened the key exits (grad enabled, not while a CUDA graph is captured);
+* forward: when the scope that opened the key exits, after a training forward (grad enabled, or a reentrant
+  checkpoint's first pass; not a recompute, not while a CUDA graph is captured);
 * backward: in the same iteration, as soon as every FP8 module call of the scope has run its backward. The
-  key state counts module calls that expect a backward and the backward nodes that ran (this also covers
-  forwards inside activation checkpointing, reentrant or not: see `modules/_recompute.py`).
+  key state counts the calls whose backward will really run (autograd made a node: the output requires
+  grad) and the backward nodes that ran; a `torch.no_grad()` call or a frozen layer on a non-grad input
+  expects nothing. Activation checkpointing is recognised from the checkpoint machinery, reentrant or not
+  (see `modules/_recompute.py`).
 
 The key state lives only as long as the iteration needs it (held by the scope and by the autograd graph);
 the persistent state (histories, scales) is in the modules' `FP8Meta` buffers. The scope stack below is the
@@ -156,7 +159,7 @@ class _Scope:
     group: Optional[dist.ProcessGroup]
     state: Optional[KeyState]
     owns_state: bool
-    grad_enabled: bool
+    training: bool  # a training forward: grad enabled, or the first pass of a reentrant checkpoint
     recorder: Optional[Recorder] = None
 
 
@@ -166,6 +169,18 @@ _SCOPE_STACK: List[_Scope] = []  # the one global: the stack of open autocast sc
 def current_scope() -> Optional[_Scope]:
     """The innermost open scope (enabled or not), or None outside any scope."""
     return _SCOPE_STACK[-1] if _SCOPE_STACK else None
+
+
+def _training_forward() -> bool:
+    """Whether FP8 calls here are a training forward (their forward amaxes are reduced at scope exit): grad
+    enabled, or the first pass of a reentrant checkpoint (which disables grad); never a recompute (it repeats
+    a forward that was already reduced)."""
+    from .modules._recompute import Phase, checkpoint_region  # not at import: modules import this module
+
+    region = checkpoint_region()
+    if region is not None and (region.reentrant or region.phase is Phase.RECOMPUTE):
+        return region.phase is Phase.FIRST_PASS
+    return torch.is_grad_enabled()
 
 
 def _capturing() -> bool:
@@ -194,7 +209,7 @@ class autocast:
     def __enter__(self) -> "autocast":
         if self._scope is not None:
             raise RuntimeError("this fp8_parallel.autocast instance is already active; create a new one")
-        grad = torch.is_grad_enabled()
+        grad = _training_forward()
         recorder = _SCOPE_STACK[-1].recorder if _SCOPE_STACK else None
         if not self.enabled:
             scope = _Scope(False, None, None, None, False, grad, recorder)
@@ -202,7 +217,7 @@ class autocast:
             group = self.group if self.group is not None else _default_group()
             shared = next(
                 (s for s in reversed(_SCOPE_STACK)
-                 if s.enabled and s.recipe == self.recipe and s.group is group and s.grad_enabled == grad
+                 if s.enabled and s.recipe == self.recipe and s.group is group and s.training == grad
                  and s.recorder is recorder),  # a recording never shares keys from outside it
                 None,
             )
@@ -225,7 +240,7 @@ class autocast:
             assert popped is scope, "fp8_parallel.autocast scopes exited out of order"
         finally:
             if scope.owns_state and exc_type is None:
-                reduce = scope.grad_enabled and not _capturing()
+                reduce = scope.training and not _capturing()
                 scope.state.close_forward(reduce=reduce)
 
 

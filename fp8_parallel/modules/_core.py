@@ -15,7 +15,7 @@ from ..quantize import quantize, quantize_transposed
 from ..recipe import CurrentScaling, Recipe
 from ..scaling import current_scale
 from ..tensor import Float8Tensor
-from ._recompute import RecomputeQueue, Snapshot, in_backward, recompute_will_follow
+from ._recompute import Phase, Snapshot, checkpoint_region, in_backward
 from ._sequence_parallel import all_gather_fp8, reduce_scatter_rows, scales_shared_over
 
 
@@ -58,7 +58,6 @@ class FP8State(torch.nn.Module):
         self.fwd = FP8Meta(2, f"{tag}/fwd", history_len=history_len, device=device)
         self.bwd = FP8Meta(1, f"{tag}/bwd", history_len=history_len, device=device)
         self.register_buffer("recipe", torch.zeros(6, dtype=torch.int64, device=device))
-        self.recompute = RecomputeQueue()
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)
         self.weight_version: Optional[int] = None  # the weight's version counter when it was cached
         self._prepared_for: Optional[Recipe] = None
@@ -75,13 +74,19 @@ class FP8State(torch.nn.Module):
 
 @dataclasses.dataclass
 class _Plan:
-    """How one call runs: recipe, scales to use, where amaxes go, which key state counts the backward."""
+    """How one call runs: recipe, scales to use, where amaxes go, and its backward accounting.
+
+    `counts_backward`: this call's backward node decrements `key_state`'s pending count when it runs (set
+    once autograd has made the node, see `_settle_backward`). `phase`: None for an ordinary call (including
+    a non-reentrant checkpoint's first pass, whose nodes are the ones that run backward); FIRST_PASS for a
+    reentrant first pass and RECOMPUTE for any recompute, whose accounting comes from the snapshot."""
 
     recipe: Recipe
     forward_scale: Optional[torch.Tensor]  # [2] or None for current scaling
     forward_slots: Optional[torch.Tensor]  # [2] amax slots or None
     key_state: Optional[object]
-    counts_backward: bool
+    counts_backward: bool = False
+    phase: Optional[Phase] = None
     _saved_scale: Optional[torch.Tensor] = None
 
     def saved_forward_scale(self, index: int) -> torch.Tensor:
@@ -93,26 +98,66 @@ class _Plan:
 
 
 def _plan(state: FP8State) -> Optional[_Plan]:
-    """Decide how this call runs in FP8, or None for high precision."""
+    """Decide how this call runs in FP8, or None for high precision.
+
+    A recompute of a checkpointed forward repeats its first pass (same scales, nothing registered); a first
+    pass records its decision on the region. Backward expectations are counted from facts: see
+    `_settle_backward` and `modules/_recompute.py`."""
     scope = current_scope()
-    if in_backward():
-        snap = state.recompute.pop()
-        if snap is not None:  # recompute of a checkpointed forward: the original scales, nothing registered
-            return _Plan(snap.recipe, snap.forward_scale, None, snap.key_state, snap.recompute_counts_backward)
-    if scope is None or not scope.enabled:
-        return None
-    recipe, key = scope.recipe, scope.state
-    state.prepare(recipe)
-    delayed = not isinstance(recipe, CurrentScaling)
-    slots = key.forward.slots(state.fwd) if delayed else None
-    scale = state.fwd.scale if delayed else None
-    counts = scope.grad_enabled
-    if counts:
-        key.expect_backward()
-        if not in_backward() and recompute_will_follow():
-            grad = torch.is_grad_enabled()  # without grad (reentrant checkpoint) the recomputed graph counts
-            state.recompute.push(Snapshot(key, recipe, scale.clone() if delayed else None, not grad))
-    return _Plan(recipe, scale, slots, key, counts)
+    enabled = scope is not None and scope.enabled
+    # with grad disabled, finding a reentrant region walks the stack: skipped for a high-precision call
+    # outside backward (eval without FP8), which then is not recorded (a recompute of it finds no record and
+    # runs in high precision as well)
+    region = checkpoint_region() if enabled or torch.is_grad_enabled() or in_backward() else None
+    if region is not None and region.phase is Phase.RECOMPUTE:
+        snap = region.replay(state)
+        if snap is None:
+            return None
+        counted, snap.counted = snap.counted, False  # settled by this recompute (a retained graph's next: none)
+        return _Plan(snap.recipe, snap.forward_scale, None, snap.key_state, counted, Phase.RECOMPUTE,
+                     _saved_scale=snap.forward_scale)
+    plan = None
+    if enabled:
+        recipe, key = scope.recipe, scope.state
+        state.prepare(recipe)
+        delayed = not isinstance(recipe, CurrentScaling)
+        slots = key.forward.slots(state.fwd) if delayed else None
+        plan = _Plan(recipe, state.fwd.scale if delayed else None, slots, key)
+    if region is not None:  # a first pass: its recompute repeats this decision
+        snap = None
+        if plan is not None:
+            # a reentrant region's backward runs through its recompute: counted now, so the scope's backward
+            # reduction waits for it, when the checkpoint's own node exists (else no recompute will run)
+            counted = region.reentrant and region.backward_will_run
+            if counted:
+                plan.key_state.expect_backward()
+            if region.reentrant:
+                plan.phase = Phase.FIRST_PASS
+            scale = None
+            if plan.forward_scale is not None:  # one copy, also the one backward re-casts with
+                scale = plan._saved_scale = plan.forward_scale.clone()
+            snap = Snapshot(plan.key_state, plan.recipe, scale, counted)
+        region.add(state, snap)
+    return plan
+
+
+def _settle_backward(plan: _Plan, out: torch.Tensor) -> None:
+    """After the call: count its backward with the scope key when autograd will run one.
+
+    Whether a backward is expected is a fact of the output: it requires grad exactly when autograd made a
+    node for the call (frozen weight with a grad-requiring input included; `torch.no_grad()` calls and frozen
+    layers on non-grad inputs excluded). A reentrant first pass counted through its snapshot instead; its
+    recompute settles a count whose node does not exist after all."""
+    key = plan.key_state
+    if key is None:
+        return
+    if plan.phase is None:
+        if out.requires_grad:
+            plan.counts_backward = True
+            key.expect_backward()
+    elif plan.phase is Phase.RECOMPUTE and plan.counts_backward and not out.requires_grad:
+        plan.counts_backward = False
+        key.backward_ran()
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -250,7 +295,10 @@ def _backward_slot(plan: _Plan, state: FP8State):
 
 
 def _backward_done(plan: _Plan) -> None:
+    """This call's backward wrote its grad amax: settle its count once (a retained graph's second backward
+    has nothing left to settle)."""
     if plan.counts_backward and plan.key_state is not None:
+        plan.counts_backward = False
         plan.key_state.backward_ran()
 
 
@@ -365,4 +413,6 @@ def fp8_linear(
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
-    return _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group if fp8_gather else None)
+    out = _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group if fp8_gather else None)
+    _settle_backward(plan, out)
+    return out

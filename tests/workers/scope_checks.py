@@ -54,6 +54,11 @@ SPY = _Spy()
 dist.all_reduce = SPY
 
 
+def _out(y):
+    """A layer's output tensor, whether it returns `out` or `(out, bias)`."""
+    return y[0] if isinstance(y, tuple) else y
+
+
 def _gather(t: torch.Tensor, group=None) -> list:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
@@ -75,7 +80,7 @@ def _run(layers, x, recipe, group, skip=()):
         h = x
         for i, layer in enumerate(layers):
             if i not in skip:
-                h = torch.tanh(layer(h)[0])
+                h = torch.tanh(_out(layer(h)))
     return h
 
 
@@ -132,8 +137,8 @@ def check_one_collective_per_scope_and_direction():
 
 
 def check_nested_scopes_reduce_over_their_own_groups():
-    if WORLD != 4:
-        return
+    """4 ranks (TP2 x EP2): an outer scope over TP, an inner one over EP (registered only at 4 ranks)."""
+    assert WORLD == 4, WORLD
     outer_group, inner_group = ps.get_group("tp"), ps.get_group("ep")
     outer_recipe = fp.DelayedScaling(amax_history_len=4)
     inner_recipe = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
@@ -143,10 +148,10 @@ def check_nested_scopes_reduce_over_their_own_groups():
     SPY.calls.clear()
     SPY.active = True
     with fp.autocast(recipe=outer_recipe, group=outer_group):
-        h = a(x)[0]
+        h = _out(a(x))
         with fp.autocast(recipe=inner_recipe, group=inner_group):
-            h = b(h)[0]
-        h = c(h)[0]
+            h = _out(b(h))
+        h = _out(c(h))
     h.sum().backward()
     SPY.active = False
     groups = sorted(tuple(r) for r, _, a in SPY.calls if a.numel() > 4)  # reductions, not first-time layout checks
@@ -181,7 +186,7 @@ def check_module_called_twice_takes_the_max():
     lin = Linear(H, H)
     x1, x2 = _local_input(0), _local_input(1, scale=3.0)
     with fp.autocast(recipe=recipe, group=WORLD_GROUP):
-        y = lin(x1)[0] + lin(x2)[0]
+        y = _out(lin(x1)) + _out(lin(x2))
     y.sum().backward()
     local = torch.maximum(x1.detach().abs().max(), x2.detach().abs().max())
     expected = torch.stack(_gather(local.reshape(1))).amax()
@@ -190,15 +195,26 @@ def check_module_called_twice_takes_the_max():
 
 
 def _checkpoint_variant(kind: str):
+    """The checkpointed block (a module called twice, a frozen layer and a no_grad probe inside) gives the
+    plain block's outputs, gradients and FP8 state bitwise, with backward amaxes reduced in the iteration."""
     from megatron.core import tensor_parallel
 
     recipe = fp.DelayedScaling(amax_history_len=4)
-    plain, ckpt = _model(3, 6), _model(3, 6)
+    models = []
+    for _ in range(2):
+        layers = _model(4, 6)  # two trainable layers, a frozen one, a probe
+        layers[2].requires_grad_(False)
+        models.append(layers)
+    plain, ckpt = models
 
     def block(layers, h):
-        for layer in layers:
-            h = torch.tanh(layer(h)[0])
-        return h
+        a, b, frozen, probe = layers
+        h = torch.tanh(_out(a(h)))
+        h = h + 0.5 * torch.tanh(_out(a(h)))  # called twice
+        with torch.no_grad():
+            _out(probe(h))
+        h = h + _out(frozen(h))
+        return torch.tanh(_out(b(h)))
 
     for step in range(3):
         x = _local_input(step)
@@ -212,6 +228,14 @@ def _checkpoint_variant(kind: str):
                     with fp.autocast(recipe=recipe, group=WORLD_GROUP):
                         return block(ckpt, h)
                 outc = torch.utils.checkpoint.checkpoint(fn, xc, use_reentrant=False)
+                outc.sum().backward()
+            elif kind == "megatron_without_output":  # megatron's selective recompute: output discarded
+                with fp.autocast(recipe=recipe, group=WORLD_GROUP):
+                    recompute = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+                    inner = recompute.checkpoint(lambda h: block(ckpt, h), xc)
+                    outc = inner * 1.0
+                    recompute.discard_output_and_register_recompute(outc)
+                outc.sum().backward()
             else:
                 with fp.autocast(recipe=recipe, group=WORLD_GROUP):
                     if kind == "torch_nonreentrant":
@@ -220,14 +244,16 @@ def _checkpoint_variant(kind: str):
                         outc = torch.utils.checkpoint.checkpoint(lambda h: block(ckpt, h), xc, use_reentrant=True)
                     else:
                         outc = tensor_parallel.checkpoint(lambda h: block(ckpt, h), False, xc)
-            outc.sum().backward()
+                outc.sum().backward()
         assert torch.equal(out, outc), (kind, step)
         assert torch.equal(x.grad, xc.grad), (kind, step)
         for p, q in zip(plain.parameters(), ckpt.parameters()):
-            assert torch.equal(p.grad, q.grad), (kind, step)
+            assert (p.grad is None) == (q.grad is None), (kind, step)
+            assert p.grad is None or torch.equal(p.grad, q.grad), (kind, step)
         for p, q in zip(plain.buffers(), ckpt.buffers()):
             assert torch.equal(p, q), (kind, step, "fp8 state")
-        assert all(len(l.fp8.recompute) == 0 for l in ckpt)
+        for layer in ckpt[:3]:  # reduced in this iteration: one roll per iteration
+            assert (layer.fp8.bwd.amax_history[0, : step + 1] > 0).all(), (kind, step)
 
 
 def check_activation_checkpointing():
@@ -235,7 +261,8 @@ def check_activation_checkpointing():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(123)
-    for kind in ("torch_nonreentrant", "torch_reentrant", "megatron", "scope_inside_nonreentrant"):
+    for kind in ("torch_nonreentrant", "torch_reentrant", "megatron", "megatron_without_output",
+                 "scope_inside_nonreentrant"):
         _checkpoint_variant(kind)
 
 
@@ -333,10 +360,11 @@ def check_nonfinite_amaxes_are_counted_not_used():
 ps.initialize(tp=2, ep=2) if WORLD == 4 else ps.initialize(tp=WORLD)
 
 ONLY = os.environ.get("FP8P_ONLY_CHECK")
+NESTED = [("nested_scopes_own_groups", check_nested_scopes_reduce_over_their_own_groups)] if WORLD == 4 else []
 run_checks([c for c in [
     ("identical_state_from_global_max", check_identical_state_from_global_max),
     ("one_collective_per_scope_and_direction", check_one_collective_per_scope_and_direction),
-    ("nested_scopes_own_groups", check_nested_scopes_reduce_over_their_own_groups),
+    *NESTED,
     ("odd_iterations_module", check_module_that_runs_on_odd_iterations_only),
     ("module_called_twice", check_module_called_twice_takes_the_max),
     ("activation_checkpointing", check_activation_checkpointing),

@@ -7,13 +7,39 @@
 Both calls are collective over all ranks. `model` is the list of model chunks as megatron's schedules take
 them (possibly wrapped in megatron DDP / Float16Module); `optimizer` is what `get_megatron_optimizer`
 returns and `scheduler` an `OptimizerParamScheduler`; either may be None.
+
+A checkpoint holds the model's sharded state (FP8 state included), the optimizer's master weights and
+moments (fully reshardable), every rank's RNG states, and in `run.json` the iteration, consumed samples,
+scheduler state, run arguments and parallel layout. Files and atomicity: `checkpoint_files`; what is saved:
+`checkpoint_state`.
+
+Loading across layouts goes through dist_checkpointing's resharding (TP, PP, EP may change); RNG states are
+restored only on the layout they were saved with. FP8 state loads when both sides run FP8; a checkpoint
+without FP8 state starts it fresh, and a run without FP8 ignores saved FP8 state.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
+
+from . import checkpoint_files as files
+from . import checkpoint_state as cs
+
+# Run arguments that fix tensor shapes: a checkpoint with other values cannot load (named in the error).
+SHAPE_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "num_experts", "moe_ffn_hidden_size", "vocab_size", "padded_vocab_size", "max_position_embeddings",
+    "position_embedding_type", "normalization", "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
+)
+PAUSE_ENV = "FP8P_CHECKPOINT_TEST_PAUSE_S"  # test only: seconds to sleep at each save stage (kill tests)
 
 
 class CheckpointError(RuntimeError):
@@ -29,6 +55,70 @@ class TrainState:
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"checkpoint: {message}", flush=True)
+
+
+def _test_pause(stage: str) -> None:
+    """Test hook: announce `stage` and sleep there when PAUSE_ENV is set, so a test can kill a save mid-way."""
+    seconds = os.environ.get(PAUSE_ENV)
+    if seconds:
+        print(f"checkpoint save stage {stage} (rank {dist.get_rank()})", flush=True)
+        time.sleep(float(seconds))
+
+
+def _agree(error: Optional[str]) -> None:
+    """Collective: raise CheckpointError on every rank if any rank reports an error (rank 0's text first)."""
+    flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=cs.collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        text = _broadcast_text(error if dist.get_rank() == 0 else None)
+        raise CheckpointError(error or text or "another rank failed (see its log)")
+
+
+def _broadcast_text(text: Optional[str]) -> str:
+    """Rank 0's `text` on every rank, sent as bytes in tensors (no pickling)."""
+    device = cs.collective_device()
+    data = (text or "").encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(n, src=0)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0 and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def _on_rank0(fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0; every rank raises CheckpointError if it failed."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # reported on every rank
+            error = f"{type(e).__name__}: {e}"
+    _agree(error)
+
+
+def _validate_save_args(save_dir: str, state: TrainState, run_args: Dict[str, Any]) -> None:
+    if not save_dir:
+        raise CheckpointError(f"save_dir={save_dir!r}: a directory is required")
+    if not isinstance(state.iteration, int) or state.iteration < 0:
+        raise CheckpointError(f"TrainState.iteration={state.iteration!r}: expected an int >= 0")
+    if not isinstance(state.consumed_samples, int) or state.consumed_samples < 0:
+        raise CheckpointError(f"TrainState.consumed_samples={state.consumed_samples!r}: expected an int >= 0")
+    for name, value in (("TrainState.extra", state.extra), ("run_args", run_args)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{name} is not JSON-serialisable: {e}") from None
+
+
+def _optimizers(optimizer: Any) -> List[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer])) if optimizer is not None else []
+
+
 def save_checkpoint(
     save_dir: str,
     state: TrainState,
@@ -37,8 +127,71 @@ def save_checkpoint(
     scheduler: Any,
     run_args: Dict[str, Any],
 ) -> None:
-    """Save model, optimizer, scheduler, FP8 state, RNG states and `state` under `save_dir` (collective)."""
-    raise NotImplementedError("save_checkpoint: being written (issue 12)")
+    """Save model, optimizer, scheduler, FP8 state, RNG states and `state` under `save_dir` (collective).
+
+    Written to `iter_N.tmp`, then made current (renamed to `iter_N`, `latest` updated) only when complete.
+
+    Raises:
+        CheckpointError: invalid arguments, or a write that failed on any rank (on every rank).
+    """
+    from megatron.core import dist_checkpointing
+
+    from parallel_state import cpu_compat
+
+    _validate_save_args(save_dir, state, run_args)
+    root = Path(save_dir)
+    final = root / files.checkpoint_name(state.iteration)
+    tmp = root / f"{final.name}.tmp"
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that was killed
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+    _on_rank0(prepare)
+    blob = cs.rng_blob()
+    rng_len = cs.rng_length(blob)
+    with cpu_compat():
+        sharded, _ = cs.model_sharded(model)
+        sd: Dict[str, Any] = dict(sharded)
+        if optimizer is not None:
+            sd["optimizer"] = optimizer.sharded_state_dict(sharded, metadata=dict(cs.OPTIMIZER_SHARDING))
+        sd["rng"] = cs.rng_sharded(blob, rng_len)
+        _test_pause("tensors")
+        error = None
+        try:
+            dist_checkpointing.save(sd, str(tmp), validate_access_integrity=True)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"dist_checkpointing.save into {tmp} failed: {type(e).__name__}: {e}"
+        _agree(error)
+    lay = cs.layout()
+    meta = {
+        "format": files.FORMAT,
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+        "extra": state.extra,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "run_args": run_args,
+        "layout": lay,
+        "fp8": cs.fp8_enabled(model),
+        "num_chunks": len(model),
+        "has_optimizer": optimizer is not None,
+        "rng_length": rng_len,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+    def finish() -> None:
+        _test_pause("metadata")
+        files.write_atomic(tmp / files.RUN_META, json.dumps(meta, indent=1, sort_keys=True))
+        _test_pause("manifest")
+        files.write_manifest(tmp)
+        _test_pause("publish")
+        files.publish(tmp, final)
+
+    _on_rank0(finish)
+    _log(f"saved iteration {state.iteration} to {final} ({cs.describe(lay)})")
+    dist.barrier()
 
 
 def load_checkpoint(
@@ -50,6 +203,132 @@ def load_checkpoint(
 ) -> Optional[TrainState]:
     """Load the latest complete checkpoint under `load_dir` into the given objects (collective).
 
-    Returns None when `load_dir` holds no complete checkpoint. Raises CheckpointError naming the problem.
+    Returns None when `load_dir` holds no complete checkpoint (incomplete saves are reported and skipped).
+
+    Raises:
+        CheckpointError: (on every rank) a corrupt, truncated or unsafe checkpoint, another model's shape,
+            or a layout change dist_checkpointing cannot reshard; the message names the problem.
     """
-    raise NotImplementedError("load_checkpoint: being written (issue 12)")
+    from megatron.core import dist_checkpointing
+
+    from parallel_state import cpu_compat
+
+    if not load_dir:
+        raise CheckpointError(f"load_dir={load_dir!r}: a directory is required")
+    found: Dict[str, Any] = {}
+
+    def locate() -> None:
+        path, notes = files.find_current(Path(load_dir))
+        for note in notes:
+            _log(note)
+        if path is not None:
+            files.verify(path)
+            files.check_pickles(path)
+            files.read_run_meta(path)
+        found["path"] = str(path) if path is not None else ""
+
+    try:
+        _on_rank0(locate)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot load from {load_dir}: {e}") from None
+    path_text = _broadcast_text(found.get("path"))
+    if not path_text:
+        _log(f"no complete checkpoint in {load_dir}; starting from scratch")
+        return None
+    ckpt = Path(path_text)
+    meta = files.read_run_meta(ckpt)
+    saved_layout, here = meta["layout"], cs.layout()
+    layouts = f"saved with {cs.describe(saved_layout)}, loading into {cs.describe(here)}"
+    _check_shapes(ckpt, meta["run_args"], run_args)
+    if meta["num_chunks"] != len(model):
+        raise CheckpointError(f"checkpoint {ckpt} has {meta['num_chunks']} model chunks per rank, this run "
+                              f"{len(model)} ({layouts}); virtual pipeline stages do not reshard")
+
+    with cpu_compat():
+        sharded, fp8_keys = cs.model_sharded(model)
+        saved_fp8, run_fp8 = meta.get("fp8"), cs.fp8_enabled(model)
+        ckpt_tensors = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        skip = set()
+        if fp8_keys and not (saved_fp8 and run_fp8):
+            skip = fp8_keys
+            if run_fp8:
+                _log(f"checkpoint {ckpt.name} was saved without FP8: FP8 state starts fresh")
+            elif saved_fp8:
+                _log(f"checkpoint {ckpt.name} holds FP8 state; this run has FP8 off and ignores it")
+        elif fp8_keys:
+            stale = {ck for ck in fp8_keys if not _matches(sharded[ck[0]][ck[1]], ckpt_tensors)}
+            if stale == fp8_keys:
+                _log(f"checkpoint {ckpt.name} has no FP8 state of this model's shape: FP8 state starts fresh")
+                skip = fp8_keys
+            elif stale:
+                raise CheckpointError(f"checkpoint {ckpt}: FP8 state {sorted(k for _, k in stale)[:3]} differs in "
+                                      f"shape from this model's ({layouts})")
+        for chunk_key, key in skip:
+            del sharded[chunk_key][key]
+        _check_tensors(ckpt, sharded, ckpt_tensors, layouts)
+        sd: Dict[str, Any] = dict(sharded)
+        load_opt = optimizer is not None and meta["has_optimizer"]
+        if load_opt:
+            full, _ = cs.model_sharded(model)  # the optimizer maps its params through the whole model
+            cs.ensure_optimizer_state(optimizer)
+            sd["optimizer"] = optimizer.sharded_state_dict(full, is_loading=True, metadata=dict(cs.OPTIMIZER_SHARDING))
+        same_layout = saved_layout == here
+        if same_layout:
+            sd["rng"] = cs.rng_sharded(None, meta["rng_length"])
+        error = None
+        try:
+            loaded = dist_checkpointing.load(sd, str(ckpt), validate_access_integrity=True)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"cannot load checkpoint {ckpt} ({layouts}): {type(e).__name__}: {e}"
+        _agree(error)
+        for i, chunk in enumerate(model):
+            _load_chunk(cs.unwrap(chunk), loaded[f"model{i}"], {k for c, k in skip if c == f"model{i}"}, ckpt)
+        if load_opt:
+            cs.load_optimizer(optimizer, loaded["optimizer"])
+    if optimizer is not None and not meta["has_optimizer"]:
+        _log(f"checkpoint {ckpt.name} has no optimizer state: the optimizer starts fresh")
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if same_layout:
+        cs.restore_rng(cs.rng_row_to_blob(loaded["rng"]))
+    else:
+        _log(f"layout changed ({layouts}): RNG states are not restored")
+    _log(f"loaded iteration {meta['iteration']} from {ckpt} ({layouts})")
+    return TrainState(meta["iteration"], meta["consumed_samples"], dict(meta.get("extra") or {}))
+
+
+def _matches(sh_ten, ckpt_tensors: Dict[str, Any]) -> bool:
+    saved = ckpt_tensors.get(sh_ten.key)
+    return saved is not None and tuple(saved.global_shape) == tuple(sh_ten.global_shape)
+
+
+def _check_shapes(ckpt: Path, saved: Dict[str, Any], current: Dict[str, Any]) -> None:
+    diffs = [f"{k}: checkpoint {saved[k]!r}, this run {current[k]!r}"
+             for k in SHAPE_ARGS if k in saved and k in current and saved[k] != current[k]]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt} is of another model shape: " + "; ".join(diffs))
+
+
+def _check_tensors(ckpt: Path, sharded: Dict[str, Dict], ckpt_tensors: Dict[str, Any], layouts: str) -> None:
+    """Every requested tensor exists in the checkpoint with the same global shape (clear errors first)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for sd in sharded.values():
+        for sh in sd.values():
+            if not isinstance(sh, ShardedTensor):
+                continue
+            saved = ckpt_tensors.get(sh.key)
+            if saved is None:
+                raise CheckpointError(f"checkpoint {ckpt} has no tensor {sh.key!r} (another model? {layouts})")
+            if tuple(saved.global_shape) != tuple(sh.global_shape):
+                raise CheckpointError(
+                    f"checkpoint {ckpt}: tensor {sh.key!r} has shape {tuple(saved.global_shape)}, this model "
+                    f"{tuple(sh.global_shape)} (another model shape; {layouts})")
+
+
+def _load_chunk(inner: torch.nn.Module, state: Dict[str, Any], skipped: set, ckpt: Path) -> None:
+    result = inner.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in skipped and not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"checkpoint {ckpt}: missing model keys {missing[:5]}, unexpected "
+                              f"{list(result.unexpected_keys)[:5]}")

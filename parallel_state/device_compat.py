@@ -8,6 +8,7 @@ megatron-core hard-codes CUDA in places that have nothing to do with the math:
 * `torch.cuda.synchronize()` after batched p2p, `torch.cuda.Stream()` / `torch.cuda.stream(...)` in the MoE
   dispatcher and shared experts;
 * the model-parallel RNG tracker, which reads and writes CUDA generator states;
+* `Tensor.type()` names, which megatron's optimizers check against `torch.cuda.FloatTensor` and friends;
 * the MoE all-to-all dispatcher moves its split sizes "to the host" as numpy arrays only when they are
   on a GPU; on CPU they would stay tensors, which `all_to_all_single` refuses: they become numpy here too;
 * activation recompute runs inside autograd's backward, where torch function modes are not active: megatron's
@@ -56,6 +57,8 @@ class _CudaPlacementToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.record_stream:
             return None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # megatron's optimizers accept only
+            return func(*args).replace("torch.", "torch.cuda.", 1)  # "torch.cuda.*Tensor" type names
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):

@@ -68,6 +68,9 @@ def _megatron_lm_on_cpu(on_cpu: bool) -> Iterator[None]:
       when `torch.cuda.device_count() > 0`: here the count is 1 and `set_device` is a no-op;
     * rank 0 runs `make` on megatron-core's dataset helpers, which the installed megatron-core ships built
       (and without a Makefile): the build step is skipped when the built helpers import;
+    * argument validation asks the GPU's architecture (to decide which CUDA settings TP/CP need): the
+      CPU reads as architecture 0, before Blackwell, so `CUDA_DEVICE_MAX_CONNECTIONS=1` is required as on
+      such GPUs;
     * `initialize_megatron` loads the legacy fused CUDA kernels by asking `nvcc` for its version; on CPU
       there is nothing to load.
     """
@@ -76,10 +79,11 @@ def _megatron_lm_on_cpu(on_cpu: bool) -> Iterator[None]:
         return
     from megatron.core.datasets import utils as dataset_utils
     from megatron.legacy import fused_kernels
-    from megatron.training import training
+    from megatron.training import arguments, training
 
     patches = [
         (fused_kernels, "load", lambda args: None),
+        (arguments, "get_device_arch_version", lambda: 0),
         (training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True)),
         (torch.cuda, "device_count", lambda: 1),
         (torch.cuda, "set_device", lambda device: None),

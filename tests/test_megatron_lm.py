@@ -53,3 +53,17 @@ def test_megatron_lm_spec_path_tp2_pp2_vpp2():
         "spec_by_name_builds_every_stage", "one_amax_reduction_per_block_pass",
         "full_recompute_matches_no_recompute",
     ])
+
+
+def test_cpu_launcher_names_a_checkout_without_pretrain_gpt(tmp_path):
+    import subprocess
+    import sys
+
+    from launcher import REPO
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "megatron_lm_cpu.py"), "--megatron-lm", str(tmp_path), "--",
+         "--num-layers", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and f"--megatron-lm {tmp_path}: no pretrain_gpt.py there" in proc.stderr, proc.stderr

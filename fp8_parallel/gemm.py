@@ -111,8 +111,8 @@ def fp8_gemm(
     result_dtype = out_dtype
     bias_arg = None
     if bias is not None:
-        if out_dtype == torch.float32 or b_data.shape[0] != n:
-            result_dtype = torch.float32  # add the bias after the GEMM
+        if out_dtype != torch.bfloat16 or b_data.shape[0] != n:
+            result_dtype = torch.float32  # add the bias after the GEMM (fused only for a bfloat16 result)
         else:
             bias_arg = bias.to(out_dtype)
     out = torch._scaled_mm(

@@ -1,0 +1,66 @@
+"""GPT pretraining with FP8 on megatron-core's own training stack (torchrun entry point).
+
+    torchrun --nproc_per_node=4 launch/pretrain_gpt.py              # the embedded default run
+    torchrun --nproc_per_node=4 launch/pretrain_gpt.py --tensor-model-parallel-size 2 --fp8-format hybrid ...
+
+Flags are megatron's (`--help`). With no flags the job runs its embedded default: on 4 ranks a small MoE GPT
+on TP2 x PP2 (EP2, expert TP 1) with FP8 (hybrid, delayed scaling) for 40 iterations on a generated Markov
+corpus (`launch/train/corpus.py`), saving a checkpoint to checkpoints/gpt_default; gloo on CPU, NCCL with
+bf16 and CUDA graphs on GPUs. The components live in `launch/train/`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+# megatron-core warns at import, once per module and rank, that TransformerEngine / Apex are missing and that
+# it falls back to torch. The job says it once, on rank 0.
+_FALLBACK = r".*(Transformer ?Engine|Apex)\b.*(are|is) not installed"
+
+
+def _filter_megatron_warnings(rank: int) -> None:
+    """Rank 0 shows each warning once; other ranks would repeat the same ones, so they show none."""
+    warnings.simplefilter("once" if rank == 0 else "ignore")
+    warnings.filterwarnings("ignore", message=_FALLBACK)
+    if rank == 0:
+        import importlib.util
+
+        missing = [name for name, module in (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
+                   if importlib.util.find_spec(module) is None]
+        if missing:
+            warnings.warn(f"{' and '.join(missing)} missing: megatron-core uses its torch fallbacks (optimizers, "
+                          "norms, multi-tensor ops); this job's FP8 layers do not need them", stacklevel=1)
+
+
+def main(argv=None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _filter_megatron_warnings(rank)
+    import torch
+
+    from launch.train.arguments import ArgumentError, embedded_default_argv, parse_args
+    from launch.train.data import DataError, check_data_path
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = embedded_default_argv(world, gpu=torch.cuda.is_available())
+        if rank == 0:
+            print("no flags: the embedded default run: " + " ".join(argv), flush=True)
+    try:
+        args = parse_args(argv, world_size=world)
+        check_data_path(args.data_path)
+    except (ArgumentError, DataError) as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    from launch.train.loop import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

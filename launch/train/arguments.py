@@ -1,0 +1,223 @@
+"""Command-line flags of the GPT job, under megatron's names, and their validation.
+
+Flag defaults follow megatron (no parallelism, no experts, no FP8 unless `--fp8-format` is given) with a small
+model. A run with no flags at all is the embedded default (`embedded_default_argv`): on 4 ranks a small MoE
+GPT on TP2 x PP2 x EP2 (expert TP 1), FP8 on, a few dozen iterations on the generated corpus that ships with
+the job (`launch/train/corpus.py`), a checkpoint at the end; on GPUs also bf16 and CUDA graphs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence
+
+
+class ArgumentError(ValueError):
+    """Flags that describe no runnable job; the message names the flag and its value."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pretraining with FP8 on megatron-core (torchrun entry point). With no flags: the "
+        "embedded default run (on 4 ranks: TP2 x PP2, MoE with EP2, FP8, generated corpus).",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--num-experts", type=int, default=None, help="MoE experts (absent = dense)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=40)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=4)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="cosine")
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 master weights")
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("fp8")
+    g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="FP8 format (absent = no FP8)")
+    g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
+    g.add_argument("--fp8-amax-history-len", type=int, default=16)
+    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="max")
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA graphs of the transformer layers (GPUs; eager with one warning on CPU)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="megatron indexed dataset prefix(es), optionally weighted: [W1] PREFIX1 [W2] PREFIX2 ...; "
+                   "default: the generated corpus")
+    g.add_argument("--split", default="98,2,0")
+    g.add_argument("--data-cache-path", default=None, help="where the dataset index caches go")
+    g.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocab size (default: byte-level, 257)")
+    g.add_argument("--tokenizer-file", default=None, help="a `tokenizers` JSON file used to preprocess the data")
+
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=5)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-json", default=None, help="one JSON object per iteration")
+    g.add_argument("--no-progress-bar", action="store_true")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class RunArgs:
+    """The parsed flags (attribute names as argparse derives them from megatron's flag names)."""
+
+    values: Dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.values)
+
+
+def embedded_default_argv(world_size: int, gpu: bool) -> List[str]:
+    """The flags of the no-flag run for `world_size` ranks: on 4 CPU ranks a MoE GPT on TP2 x PP2 x EP2; on GPUs
+    the dense GPT in bf16 with CUDA graphs.
+
+    Small on purpose: without a GPU, FP8 GEMMs run through torch's reference CPU kernel (`torch._scaled_mm`),
+    which is orders of magnitude slower than a float32 matmul of the same size."""
+    tp = 2 if world_size % 2 == 0 else 1
+    pp = 2 if world_size % 4 == 0 else 1
+    ep = 2 if (world_size // pp) % 2 == 0 else 1
+    # MoE routes data-dependent token counts, which CUDA graphs cannot capture: on GPUs the default is the
+    # same GPT with dense MLPs, graphed.
+    moe = [] if gpu else ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", str(ep),
+                          "--expert-tensor-parallel-size", "1"]
+    argv = [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *moe,
+        "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+        *(["--sequence-parallel"] if tp > 1 else []),
+        "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "6e-3", "--min-lr", "6e-4", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine",
+        "--train-iters", "40", "--save", "checkpoints/gpt_default", "--log-interval", "5",
+    ]
+    return argv + (["--bf16", "--cuda-graph"] if gpu else [])
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1) -> RunArgs:
+    """Parse and validate the flags for a job of `world_size` ranks.
+
+    Raises:
+        ArgumentError: a size or setting that does not fit (the message names the flag and value).
+    """
+    v = vars(_parser().parse_args(argv))
+    v["fp8"] = v.pop("fp8_format")
+    v["ffn_hidden_size"] = v["ffn_hidden_size"] or 4 * v["hidden_size"]
+    v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
+    if v["num_experts"] is not None and v["num_experts"] < 1:
+        raise ArgumentError(f"--num-experts={v['num_experts']}: must be a positive integer (absent = dense)")
+    v["world_size"] = world_size
+    v["data_parallel_size"] = validate(v, world_size)
+    return RunArgs(v)
+
+
+def _positive(v: Dict[str, Any], names: List[str]) -> None:
+    for name in names:
+        if v[name] is None or v[name] < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')}={v[name]}: must be a positive integer")
+
+
+def validate(v: Dict[str, Any], world_size: int) -> int:
+    """Check the sizes against each other and the world size; returns the data-parallel size."""
+    _positive(v, ["tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                  "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers", "hidden_size",
+                  "num_attention_heads", "seq_length", "micro_batch_size", "global_batch_size", "train_iters",
+                  "log_interval"])
+    tp, pp, cp = v["tensor_model_parallel_size"], v["pipeline_model_parallel_size"], v["context_parallel_size"]
+    ep, etp, vpp = v["expert_model_parallel_size"], v["expert_tensor_parallel_size"], v["virtual_pipeline_model_parallel_size"]
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel = "
+            f"{tp} x {pp} x {cp} = {model_parallel}"
+        )
+    dp = world_size // model_parallel
+    if (tp * dp * cp) % (etp * ep):
+        raise ArgumentError(
+            f"--expert-model-parallel-size={ep} x --expert-tensor-parallel-size={etp} does not divide the "
+            f"{tp * dp * cp} ranks of a pipeline stage (tp {tp} x dp {dp} x cp {cp})"
+        )
+    if vpp is not None:
+        if vpp < 1 or pp < 2:
+            raise ArgumentError(f"--virtual-pipeline-model-parallel-size={vpp} needs a positive value and "
+                                f"--pipeline-model-parallel-size >= 2 (got {pp})")
+    chunks = pp * (vpp or 1)
+    if v["num_layers"] % chunks:
+        raise ArgumentError(f"--num-layers={v['num_layers']} is not divisible by pipeline x virtual stages = {chunks}")
+    if v["num_attention_heads"] % tp or v["hidden_size"] % v["num_attention_heads"]:
+        raise ArgumentError(
+            f"--num-attention-heads={v['num_attention_heads']} must divide --hidden-size={v['hidden_size']} and be "
+            f"divisible by --tensor-model-parallel-size={tp}"
+        )
+    if v["ffn_hidden_size"] % tp:
+        raise ArgumentError(f"--ffn-hidden-size={v['ffn_hidden_size']} is not divisible by tensor parallel size {tp}")
+    per_step = v["micro_batch_size"] * dp
+    if v["global_batch_size"] % per_step:
+        raise ArgumentError(
+            f"--global-batch-size={v['global_batch_size']} is not divisible by --micro-batch-size x data parallel "
+            f"= {v['micro_batch_size']} x {dp}"
+        )
+    microbatches = v["global_batch_size"] // per_step
+    if vpp is not None and microbatches % pp:
+        raise ArgumentError(f"interleaved pipelining needs the number of microbatches ({microbatches}) to be a "
+                            f"multiple of --pipeline-model-parallel-size={pp}")
+    if v["sequence_parallel"] and tp == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if v["seq_length"] % (tp if v["sequence_parallel"] else 1) or v["seq_length"] % (2 * cp if cp > 1 else 1):
+        raise ArgumentError(f"--seq-length={v['seq_length']} does not split over TP {tp} / CP {cp}")
+    if v["num_experts"] is not None:
+        if tp > 1 and not v["sequence_parallel"]:
+            raise ArgumentError(f"--num-experts={v['num_experts']} with --tensor-model-parallel-size={tp} needs "
+                                "--sequence-parallel (megatron's MoE layer requires it in training)")
+        if v["num_experts"] % ep:
+            raise ArgumentError(f"--num-experts={v['num_experts']} is not divisible by --expert-model-parallel-size={ep}")
+        if not 1 <= v["moe_router_topk"] <= v["num_experts"]:
+            raise ArgumentError(f"--moe-router-topk={v['moe_router_topk']} must be in [1, --num-experts={v['num_experts']}]")
+    if v["cuda_graph"] and v["num_experts"] is not None:
+        raise ArgumentError("--cuda-graph with --num-experts: MoE layers route a data-dependent number of tokens, "
+                            "which a CUDA graph cannot capture; run MoE models without --cuda-graph")
+    if v["cuda_graph"] and v["recompute_granularity"] == "full":
+        raise ArgumentError("--cuda-graph with --recompute-granularity=full: full recompute cannot be captured")
+    if v["fp8"] is not None and v["fp8_amax_history_len"] < 1:
+        raise ArgumentError(f"--fp8-amax-history-len={v['fp8_amax_history_len']}: must be >= 1")
+    if v["save_interval"] is not None and v["save_interval"] < 1:
+        raise ArgumentError(f"--save-interval={v['save_interval']}: must be >= 1")
+    if v["exit_interval"] is not None and v["exit_interval"] < 1:
+        raise ArgumentError(f"--exit-interval={v['exit_interval']}: must be >= 1")
+    if v["min_lr"] > v["lr"]:
+        raise ArgumentError(f"--min-lr={v['min_lr']} is larger than --lr={v['lr']}")
+    return dp

@@ -1,0 +1,153 @@
+"""The training job from parsed flags: groups, model, optimizer, data, checkpoints, steps, outputs."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+
+from .arguments import RunArgs
+
+
+@dataclasses.dataclass
+class Position:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def _checkpoint_api():
+    """The checkpoint module, imported when first needed (it is developed beside this job)."""
+    from launch import checkpointing
+
+    return checkpointing
+
+
+def _load(args: RunArgs, model, optimizer, scheduler, say) -> Position:
+    if not args.load:
+        return Position()
+    ckpt = _checkpoint_api()
+    try:
+        state = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, args.as_dict())
+    except NotImplementedError as err:
+        warnings.warn(f"--load {args.load}: checkpoint loading is not available yet ({err}); starting fresh")
+        return Position()
+    if state is None:
+        say(f"no complete checkpoint in {args.load}: starting from iteration 0")
+        return Position()
+    say(f"resumed from {args.load} at iteration {state.iteration} (sample {state.consumed_samples})")
+    return Position(state.iteration, state.consumed_samples)
+
+
+def _save(args: RunArgs, pos: Position, model, optimizer, scheduler, say, extra: dict) -> None:
+    ckpt = _checkpoint_api()
+    try:
+        ckpt.save_checkpoint(args.save, ckpt.TrainState(pos.iteration, pos.consumed_samples, extra), model,
+                             optimizer, scheduler, args.as_dict())
+    except NotImplementedError as err:
+        warnings.warn(f"--save {args.save}: checkpoint saving is not available yet ({err})")
+        return
+    say(f"saved checkpoint at iteration {pos.iteration} to {args.save}")
+
+
+def run(args: RunArgs) -> int:
+    """Train `args.train_iters` iterations (from the checkpoint in `--load`, if any); returns the exit code."""
+    ps.initialize(
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
+        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+    )
+    try:
+        with ps.cpu_compat():
+            return _train(args)
+    finally:
+        ps.destroy()
+
+
+def _train(args: RunArgs) -> int:
+    from megatron.core import parallel_state as mpu
+
+    from .data import StepBatches, build_train_dataset
+    from .metrics import RunLog, StepTimer, fp8_health, gather_layer_state, logging_rank
+    from .model import build_model, build_optimizer, fp8_settings, transformer_config
+    from .step import TrainStep
+    from .tokenizer import build_tokenizer
+
+    log_rank = logging_rank()
+    is_logger = dist.get_rank() == log_rank
+
+    def say(text: str) -> None:
+        if is_logger:
+            print(text, flush=True)
+
+    tokenizer = build_tokenizer(args.tokenizer_file)
+    vocab = args.vocab_size or tokenizer.vocab_size
+    config = transformer_config(args)
+    fp8 = fp8_settings(args)
+    model = build_model(args, config, vocab)
+    optimizer, scheduler = build_optimizer(args, model)
+    dataset = build_train_dataset(args, tokenizer)
+    batches = StepBatches(dataset, args.micro_batch_size, args.global_batch_size,
+                          mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+    pos = _load(args, model, optimizer, scheduler, say)
+
+    wrap = None
+    if args.cuda_graph:
+        from fp8_parallel.pipeline import graph_megatron_layers
+
+        graphed = graph_megatron_layers(model, config, num_microbatches=batches.num_microbatches,
+                                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                        fp8_recipe=fp8.recipe)
+        wrap = graphed.forward_step
+    step = TrainStep(model, optimizer, scheduler, config, fp8, args.seq_length, args.micro_batch_size,
+                     batches.num_microbatches, wrap_forward_step=wrap)
+    say(f"job: {args.world_size} ranks, tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size}"
+        f" vpp {args.virtual_pipeline_model_parallel_size} cp {args.context_parallel_size} dp "
+        f"{args.data_parallel_size} ep {args.expert_model_parallel_size} etp {args.expert_tensor_parallel_size}; "
+        f"{args.num_layers} layers, hidden {args.hidden_size}, experts {args.num_experts}; fp8 "
+        f"{args.fp8 or 'off'} ({args.fp8_recipe if args.fp8 else '-'}); {batches.num_microbatches} micro batches "
+        f"of {args.micro_batch_size}; {len(dataset)} training samples")
+    run_log = RunLog(is_logger, args.train_iters, pos.iteration, args.log_interval, args.tensorboard_dir,
+                     args.log_json, progress_bar=not args.no_progress_bar)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    saved_at = pos.iteration if args.load else -1
+    last_loss = None
+    try:
+        while pos.iteration < args.train_iters:
+            timer = StepTimer()
+            result = step(batches.step(pos.consumed_samples))
+            step_ms = timer.elapsed_ms()
+            pos.iteration += 1
+            pos.consumed_samples += args.global_batch_size
+            row = {"iteration": pos.iteration, "consumed_samples": pos.consumed_samples, "loss": result.loss,
+                   "lr": step.lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_step / (step_ms / 1e3),
+                   "step_ms": step_ms, "update_successful": result.update_successful}
+            row.update(fp8_health(model, result.scopes_opened, result.scopes_reduced))
+            if pos.iteration % args.log_interval == 0 or pos.iteration == args.train_iters:
+                layers = gather_layer_state(model, log_rank)
+                if layers is not None:
+                    row["fp8_layers"] = layers
+            if is_logger and result.loss is not None:
+                if not torch.isfinite(torch.tensor(result.loss)):
+                    run_log.write(f"iteration {pos.iteration}: loss is {result.loss}")
+                last_loss = result.loss
+            run_log.record(row)
+            exiting = args.exit_interval is not None and pos.iteration % args.exit_interval == 0
+            interval = args.save_interval is not None and pos.iteration % args.save_interval == 0
+            if args.save and (interval or exiting):
+                _save(args, pos, model, optimizer, scheduler, run_log.write, {"loss": last_loss})
+                saved_at = pos.iteration
+            if exiting and pos.iteration < args.train_iters:
+                run_log.write(f"exit interval: stopping after iteration {pos.iteration}")
+                return 0
+        if args.save and saved_at != pos.iteration:
+            _save(args, pos, model, optimizer, scheduler, run_log.write, {"loss": last_loss})
+    finally:
+        run_log.close()
+    say(f"done: {pos.iteration} iterations, last loss {last_loss}")
+    return 0

@@ -1,0 +1,171 @@
+"""What the job reports: FP8 health, per-layer FP8 histories, and the outputs (progress bar, log lines,
+TensorBoard, JSON lines) written by one rank of the last pipeline stage."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as mpu
+
+import fp8_parallel as fp
+from fp8_parallel.meta import FP8Meta
+
+
+def _fp8_metas(model: List[torch.nn.Module]) -> List[FP8Meta]:
+    return [m for chunk in model for m in chunk.modules() if isinstance(m, FP8Meta)]
+
+
+def fp8_health(model: List[torch.nn.Module], scopes_opened: int, scopes_reduced: int) -> Dict[str, Any]:
+    """FP8 health over all ranks (collective): the largest non-finite amax count of any rank, the smallest and
+    largest scale of any FP8 tensor, and the FP8 scopes opened / reduced in the step (summed over ranks).
+    A scope that opened but did not reduce means some amax reduction did not run."""
+    metas = _fp8_metas(model)
+    device = metas[0].scale.device if metas else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    nonfinite = sum(int(fp.nonfinite_amax_count(chunk)) for chunk in model)
+    if metas:
+        scales = torch.cat([m.scale.float() for m in metas])
+        lo, hi = float(scales.min()), float(scales.max())
+    else:
+        lo, hi = math.inf, -math.inf
+    maxes = torch.tensor([float(nonfinite), -lo, hi], dtype=torch.float64, device=device)
+    sums = torch.tensor([scopes_opened, scopes_reduced], dtype=torch.float64, device=device)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sums)
+    lo, hi = -float(maxes[1]), float(maxes[2])
+    return {
+        "fp8_nonfinite_amax": int(maxes[0]),
+        "fp8_scale_min": lo if math.isfinite(lo) else None,
+        "fp8_scale_max": hi if math.isfinite(hi) else None,
+        "fp8_scopes_opened": int(sums[0]),
+        "fp8_scopes_reduced": int(sums[1]),
+    }
+
+
+def fp8_layer_state(model: List[torch.nn.Module]) -> Dict[str, Dict[str, List[float]]]:
+    """This rank's FP8 tensors by a rank-independent name: newest amax and scale of each.
+
+    Names carry the global layer number (`layer03/...`) and, for experts, the expert-parallel rank, so the
+    same tensor on TP/DP replicas gets the same name."""
+    out: Dict[str, Dict[str, List[float]]] = {}
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    for chunk in model:
+        for name, module in chunk.named_modules():
+            number = getattr(module, "layer_number", None)
+            if number is None or not hasattr(module, "self_attention"):
+                continue
+            for sub, meta in module.named_modules():
+                if not isinstance(meta, FP8Meta):
+                    continue
+                key = f"layer{number:02d}/{sub}"
+                if ".experts." in f".{sub}":
+                    key = f"layer{number:02d}/ep{ep_rank}/{sub}"
+                out[key] = {"amax": meta.amax_history[:, 0].float().tolist(), "scale": meta.scale.float().tolist()}
+    return out
+
+
+def logging_rank() -> int:
+    """The global rank that logs: the last pipeline stage's first tensor-, context- and data-parallel rank
+    (collective)."""
+    mine = (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_data_parallel_rank(with_context_parallel=True) == 0)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    rank = torch.tensor([dist.get_rank() if mine else -1], device=device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MAX)
+    return int(rank.item())
+
+
+def gather_layer_state(model: List[torch.nn.Module], dst: int) -> Optional[Dict[str, Dict[str, List[float]]]]:
+    """Every rank's `fp8_layer_state`, merged on `dst` (collective; None elsewhere)."""
+    mine = fp8_layer_state(model)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, gathered, dst=dst)
+    if gathered is None:
+        return None
+    merged: Dict[str, Dict[str, List[float]]] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return dict(sorted(merged.items()))
+
+
+class RunLog:
+    """Progress bar, interval log lines, TensorBoard scalars and JSON lines; active on the logging rank only."""
+
+    def __init__(self, active: bool, train_iters: int, start_iteration: int, log_interval: int,
+                 tensorboard_dir: Optional[str], log_json: Optional[str], progress_bar: bool):
+        self.active = active
+        self.log_interval = log_interval
+        self.bar = None
+        self.tb = None
+        self.json = None
+        if not active:
+            return
+        if progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=train_iters, initial=start_iteration, desc="train", unit="it", dynamic_ncols=True)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+        if log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            self.json = open(log_json, "a", buffering=1)
+
+    def write(self, text: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def record(self, row: Dict[str, Any]) -> None:
+        """One iteration's figures (and `fp8_layers` on log intervals)."""
+        if not self.active:
+            return
+        it = row["iteration"]
+        if self.json is not None:
+            self.json.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "iteration" and value is not None:
+                    self.tb.add_scalar(f"train/{key}", value, it)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}" if row.get("loss") is not None else "-")
+        if it % self.log_interval == 0:
+            self.write(
+                f"iteration {it:6d} | loss {row['loss']:.5f} | lr {row['lr']:.3e} | grad norm "
+                f"{row['grad_norm'] if row['grad_norm'] is None else format(row['grad_norm'], '.4f')} | "
+                f"tokens/s {row['tokens_per_s']:.0f} | step {row['step_ms']:.1f} ms | fp8 nonfinite amax "
+                f"{row['fp8_nonfinite_amax']} | scale [{_fmt(row['fp8_scale_min'])}, {_fmt(row['fp8_scale_max'])}] "
+                f"| scopes reduced {row['fp8_scopes_reduced']}/{row['fp8_scopes_opened']}"
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.json is not None:
+            self.json.close()
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return (time.perf_counter() - self.t0) * 1e3

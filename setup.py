@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     # torch is deliberately unpinned: a GPU user keeps the torch they have. On a fresh CPU machine the
     # README's commands install the CPU build first, so nothing here pulls a CUDA build.
-    install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging", "psutil", "tqdm", "matplotlib"],
+    install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging", "psutil", "tqdm", "matplotlib", "tensorboard"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "torchao>=0.14"],
         "gpu": ["triton"],

@@ -251,6 +251,7 @@ def _dropout_layer():
 
     cfg = _config()
     cfg.num_layers, cfg.hidden_dropout, cfg.attention_dropout = 1, 0.1, 0.1
+    cfg.fp8_amax_history_len = RECIPE.amax_history_len  # FP8 state sized for the recipe: a refused capture leaves it as it was
     return build_module(get_gpt_layer_spec(), config=cfg, layer_number=1).cuda()
 
 

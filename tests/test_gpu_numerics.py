@@ -222,3 +222,65 @@ def test_fused_amax_update_writes_replaced_buffers(how):
         assert torch.equal(v, old_copy[k]), k
     assert state.fwd.amax_history[0, 0] == amax  # the live buffers were
     torch.testing.assert_close(state.fwd.scale[0], 448.0 / state.fwd.amax_history[0].max(), rtol=1e-6, atol=0)
+
+
+@pytest.fixture(scope="module")
+def one_rank_model_parallel():
+    """megatron's model-parallel state on one rank (TP1), for its parallel linears."""
+    import parallel_state as ps
+
+    ps.initialize()
+    yield ps
+    ps.destroy()
+
+
+@pytest.mark.parametrize("pdt", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("d,f", [(64, 128), (30, 50)])
+def test_parallel_linears_every_dtype_match_float64(one_rank_model_parallel, pdt, recipe_name, d, f):
+    """LayerNormColumnParallelLinear -> gelu -> RowParallelLinear (TP1) against float64, every parameter dtype,
+    aligned and unaligned sizes: outputs and every gradient finite and within FP8 tolerance."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import fp8_parallel as fp
+
+    ps = one_rank_model_parallel
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cfg = TransformerConfig(num_layers=1, hidden_size=d, ffn_hidden_size=f, num_attention_heads=2,
+                            perform_initialization=False, params_dtype=pdt,
+                            use_cpu_initialization=not torch.cuda.is_available())
+    fc1 = fp.LayerNormColumnParallelLinear(d, f, config=cfg, init_method=None, bias=True, gather_output=False,
+                                           skip_bias_add=False)
+    fc2 = fp.RowParallelLinear(f, d, config=cfg, init_method=None, bias=True, input_is_parallel=True,
+                               skip_bias_add=False)
+    with torch.no_grad():
+        for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias):
+            p.copy_(torch.randn(p.shape, device="cuda", generator=g) / p.shape[-1] ** 0.5)
+        fc1.layer_norm_weight.copy_(1 + 0.1 * torch.randn(d, device="cuda", generator=g))
+    recipe = fp.DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else fp.CurrentScaling()
+    params = [fc1.layer_norm_weight, fc1.layer_norm_bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+    for step in range(3):
+        x0 = torch.randn(7, 3, d, device="cuda", generator=g).to(pdt)
+        x = x0.clone().requires_grad_()
+        for p in params:
+            p.grad = None
+        with ps.cpu_compat(), fp.autocast(recipe=recipe):
+            h, _ = fc1(x)
+            y, _ = fc2(torch.nn.functional.gelu(h))
+        dy = torch.randn(y.shape, device="cuda", generator=g).to(pdt)
+        with ps.cpu_compat():
+            y.backward(dy)
+        ref = [p.detach().double().requires_grad_() for p in params]
+        x64 = x0.double().requires_grad_()
+        n64 = torch.nn.functional.layer_norm(x64, (d,), ref[0], ref[1], cfg.layernorm_epsilon)
+        y64 = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(n64, ref[2], ref[3])),
+                                         ref[4], ref[5])
+        y64.backward(dy.double())
+        assert y.dtype == pdt and y.is_contiguous() and torch.isfinite(y).all()
+        assert _rel(y.detach(), y64) < 0.1, ("output", step, _rel(y.detach(), y64))
+        assert _rel(x.grad, x64.grad) < 0.25, ("input grad", step, _rel(x.grad, x64.grad))
+        for i, (p, r) in enumerate(zip(params, ref)):
+            assert p.grad is not None and torch.isfinite(p.grad).all(), (i, pdt, recipe_name)
+            assert _rel(p.grad, r.grad) < 0.25, (i, step, _rel(p.grad, r.grad))

@@ -103,4 +103,5 @@ def test_spec_uses_sdpa_attention_by_default():
 def test_megatron_attention_and_context_parallel():
     launch("attention_checks.py", 2, timeout=900, expect_checks=[
         "matches_megatron_dot_product_attention", "errors", "dropout_under_rng_tracker", "gpt_cp1_reference",
-        "cp2_attention_matches_full_sequence", "gpt_mha_learned_cp2_matches_cp1", "gpt_gqa_rope_cp2_matches_cp1"])
+        "cp2_attention_matches_full_sequence", "gpt_mha_learned_cp2_matches_cp1", "gpt_gqa_rope_cp2_matches_cp1",
+        "gpt_fp8_cp2_matches_cp1"])

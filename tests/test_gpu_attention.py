@@ -144,4 +144,5 @@ def test_context_parallel_on_two_gpus():
         pytest.skip("needs 2 GPUs")
     launch("attention_checks.py", 2, timeout=600, gpus=True, expect_checks=[
         "matches_megatron_dot_product_attention", "errors", "dropout_under_rng_tracker", "gpt_cp1_reference",
-        "cp2_attention_matches_full_sequence", "gpt_mha_learned_cp2_matches_cp1", "gpt_gqa_rope_cp2_matches_cp1"])
+        "cp2_attention_matches_full_sequence", "gpt_mha_learned_cp2_matches_cp1", "gpt_gqa_rope_cp2_matches_cp1",
+        "gpt_fp8_cp2_matches_cp1"])

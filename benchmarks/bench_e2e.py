@@ -1,0 +1,363 @@
+"""End-to-end training step of megatron-core's GPTModel: megatron's local spec against our spec, FP8 off,
+FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights and data for every variant.
+
+    python bench_e2e.py results.jsonl                       # 0.94B: 16 layers, hidden 2048, 16 heads,
+                                                            # FFN 8192, vocab 32000, seq 2048, 2 x 4 microbatches
+    python bench_e2e.py results.jsonl --layers 4 --hidden 1024 --heads 8 --ffn 4096   # a smaller run
+    python bench_e2e.py out.jsonl --device cpu --layers 2 --hidden 64 --heads 4 --ffn 256 --vocab 128 \
+        --seq 64 --micro 2 --warmup 1 --steps 1                                       # CPU dry run
+
+Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, `get_forward_backward_func` over the
+microbatches. Prints and records wall time per step (median), device-busy time (union of GPU kernel
+intervals in one profiled step), tokens/s, model TFLOP/s, peak allocated / reserved memory, the first
+step's loss (same weights and data: the variants must agree) and a profile table by kernel category.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import dump, record  # noqa: E402
+
+BENCH = "e2e"
+VARIANTS = ("local", "bf16", "fp8", "fp8_graphs")
+LABELS = {
+    "local": "megatron local spec BF16",
+    "bf16": "our spec FP8 off",
+    "fp8": "our spec FP8 eager",
+    "fp8_graphs": "our spec FP8 + graphs",
+}
+CATEGORIES = ("GEMM", "quantize", "attention", "norm/elementwise", "communication", "optimizer", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    mbs: int
+    micro: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.mbs * self.micro
+
+    def model_flops(self) -> float:
+        """Training FLOPs of one step (forward x3), megatron's convention: dense matmuls plus full
+        (non-causal) attention score and context products, and the logits."""
+        h, s = self.hidden, self.seq
+        per_token_layer = 2 * (3 * h * h + h * h + 2 * h * self.ffn) + 2 * 2 * s * h
+        per_token = self.layers * per_token_layer + 2 * h * self.vocab
+        return 3.0 * per_token * self.tokens
+
+    def describe(self) -> str:
+        return (f"L{self.layers} h{self.hidden} a{self.heads} f{self.ffn} v{self.vocab} s{self.seq} "
+                f"mb{self.mbs}x{self.micro}")
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+
+def _config(size: Size, device: str, fp8: bool, dropout: float):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=size.layers, hidden_size=size.hidden, num_attention_heads=size.heads,
+        ffn_hidden_size=size.ffn, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
+        hidden_dropout=dropout, attention_dropout=dropout, use_cpu_initialization=device == "cpu",
+    )
+    if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
+        cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = "hybrid", "delayed", 16, "max"
+    return cfg
+
+
+def _local_to_ours(name: str) -> str:
+    """A parameter name of megatron's local spec -> the same tensor in our spec (norms fused into the linears)."""
+    return (name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+                .replace("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias")
+                .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+                .replace("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"))
+
+
+def _build(variant: str, size: Size, device: str, dropout: float, weights: Optional[Dict[str, torch.Tensor]]):
+    """(Float16Module-wrapped GPTModel, config) of `variant`, with `weights` (our spec's names) copied in."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from fp8_parallel.megatron import get_gpt_block_spec
+
+    cfg = _config(size, device, fp8=variant.startswith("fp8"), dropout=dropout)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
+    spec = get_gpt_layer_local_spec() if variant == "local" else get_gpt_block_spec(cfg)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab, max_sequence_length=size.seq)
+    model = Float16Module(cfg, gpt.to(device))
+    if weights is not None:
+        params = dict(gpt.named_parameters())
+        rename = _local_to_ours if variant == "local" else (lambda n: n)
+        missing = [n for n in params if rename(n) not in weights]
+        if missing or len(params) != len(weights):
+            raise RuntimeError(f"bench_e2e: {variant} parameters do not map onto the reference: {missing[:4]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(weights[rename(n)])
+    return model, cfg
+
+
+def _batches(size: Size, device: str) -> List[dict]:
+    gen = torch.Generator(device=device).manual_seed(4321)
+    pos = torch.arange(size.seq, device=device).expand(size.mbs, size.seq)
+    out = []
+    for _ in range(size.micro):
+        tokens = torch.randint(0, size.vocab, (size.mbs, size.seq), generator=gen, device=device)
+        out.append({"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "position_ids": pos})
+    return out
+
+
+def _loss_func(per_token: torch.Tensor):
+    loss = per_token.float().mean()
+    return loss, {"loss": loss.detach()}
+
+
+# -- timing and profile ---------------------------------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def category(kernel: str) -> str:
+    """The profile category of a device kernel, by name."""
+    k = kernel.lower()
+    if "nccl" in k:
+        return "communication"
+    if any(s in k for s in ("flash", "fmha", "attention", "attn", "sdpa", "cudnn_generated_fort_native_sdpa")):
+        return "attention"
+    if any(s in k for s in ("quant", "amax", "cast_transpose", "_cast", "float8", "fp8", "scale_update")):
+        return "quantize"
+    if any(s in k for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mm_", "sm90_", "wgmma")):
+        return "GEMM"
+    if any(s in k for s in ("adam", "multi_tensor", "foreach", "optimizer")):
+        return "optimizer"
+    if any(s in k for s in ("norm", "elementwise", "vectorized", "reduce", "softmax", "gelu", "copy", "fill",
+                            "cat", "index", "embedding", "dropout", "bias", "mul", "add", "unrolled", "triton")):
+        return "norm/elementwise"
+    return "other"
+
+
+def _profile(step: Callable[[], float], device: str) -> Tuple[float, Dict[str, float], List[Tuple[str, float, int]]]:
+    """One profiled step: (device-busy ms, ms per category, top kernels (name, ms, calls))."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy_us, cur_start, cur_end = 0.0, None, None
+    for start, end in intervals:  # union of kernel intervals
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy_us += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy_us += cur_end - cur_start
+    by_cat = {c: 0.0 for c in CATEGORIES}
+    by_name: Dict[str, List[float]] = {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        by_cat[category(e.name)] += us / 1e3
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += 1
+    top = sorted(((n, ms, int(c)) for n, (ms, c) in by_name.items()), key=lambda t: -t[1])[:12]
+    return (busy_us / 1e3 if kernels else float("nan")), by_cat, top
+
+
+def _peaks(device: str) -> Tuple[float, float]:
+    if device != "cuda":
+        return float("nan"), float("nan")
+    return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+
+
+def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
+    import fp8_parallel.pipeline as pipeline
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from fp8_parallel.megatron import fp8_context, recipe_from_config
+
+    device = args.device
+    model, cfg = _build(variant, size, device, args.dropout, weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    fp8 = variant.startswith("fp8")
+
+    def forward_step(data_iterator, chunk):
+        b = next(data_iterator)
+        with fp8_context(cfg) if fp8 else contextlib.nullcontext():
+            out = chunk(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        return out, _loss_func
+
+    graphed = None
+    if variant == "fp8_graphs":
+        graphed = pipeline.graph_megatron_layers(
+            model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
+            fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=True)
+        forward_step = graphed.forward_step(forward_step)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+            num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs)
+        opt.step()
+        return losses
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    first = step()  # the weights every variant starts from: its loss must agree across variants
+    first_loss = float(torch.stack([d["loss"] for d in first]).mean())
+    for _ in range(args.warmup - 1):
+        step()
+    times = []
+    for _ in range(args.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak_alloc, peak_reserved = _peaks(device)
+    busy, by_cat, top = _profile(step, device)
+    wall = statistics.median(times)
+    result = dict(variant=variant, wall_ms=wall, busy_ms=busy, tokens_s=size.tokens / (wall / 1e3),
+                  tflops=size.model_flops() / (wall / 1e3) / 1e12, peak_alloc=peak_alloc,
+                  peak_reserved=peak_reserved, loss=first_loss, by_cat=by_cat, top=top)
+    if graphed is not None:
+        graphed.reset()  # release the graphs and their memory pool
+    del model, opt, graphed
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
+    """Initial weights (our spec's parameter names) shared by every variant, on the host."""
+    model, _ = _build("bf16", size, args.device, args.dropout, None)
+    weights = {n: p.detach().to("cpu", copy=True) for n, p in model.module.named_parameters()}
+    del model
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return weights
+
+
+def report(results: List[dict], size: Size) -> None:
+    by = {r["variant"]: r for r in results}
+    case = size.describe()
+    print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
+          f"{'rsrv GiB':>9s} {'loss':>8s}")
+    for r in results:
+        print(f"{LABELS[r['variant']]:26s} {r['wall_ms']:9.1f} {r['busy_ms']:9.1f} {r['tokens_s']:9.0f} "
+              f"{r['tflops']:8.1f} {r['peak_alloc']:9.2f} {r['peak_reserved']:9.2f} {r['loss']:8.4f}")
+    print(f"\nprofile, device ms per step (one profiled step)\n{'category':18s}"
+          + "".join(f"{LABELS[r['variant']][:22]:>24s}" for r in results))
+    for c in CATEGORIES:
+        print(f"{c:18s}" + "".join(f"{r['by_cat'][c]:24.1f}" for r in results))
+    for r in results:
+        print(f"\ntop kernels, {LABELS[r['variant']]}:")
+        for name, ms, calls in r["top"]:
+            print(f"  {ms:9.2f} ms {calls:6d}x  [{category(name)}] {name[:110]}")
+
+    base = by.get("local")
+    bf16 = by.get("bf16")
+    for r in results:
+        v = r["variant"]
+        label = f"{case} {LABELS[v]}"
+        vs_local = base["wall_ms"] / r["wall_ms"] if base else float("nan")
+        record(BENCH, label, "ms", r["wall_ms"], "megatron local spec", vs_local)
+        record(BENCH, label, "busy ms", r["busy_ms"], "wall time", r["busy_ms"] / r["wall_ms"])
+        record(BENCH, label, "tokens/s", r["tokens_s"])
+        record(BENCH, label, "TFLOP/s", r["tflops"])
+        record(BENCH, label, "alloc GiB", r["peak_alloc"], "FP8 off" if bf16 else "",
+               r["peak_alloc"] / bf16["peak_alloc"] if bf16 else float("nan"))
+        record(BENCH, label, "rsrv GiB", r["peak_reserved"], "FP8 off" if bf16 else "",
+               r["peak_reserved"] / bf16["peak_reserved"] if bf16 else float("nan"))
+        record(BENCH, label, "loss", r["loss"], "megatron local spec",
+               r["loss"] / base["loss"] if base else float("nan"))
+        if v.startswith("fp8") and bf16:
+            record(BENCH, label, "speedup", bf16["wall_ms"] / r["wall_ms"], "our spec FP8 off")
+        if r["busy_ms"] == r["busy_ms"]:  # a device profile exists (not a CPU dry run)
+            for c in CATEGORIES:
+                record(BENCH, f"{label} {c}", "dev ms", r["by_cat"][c])
+    if base:
+        for r in results:
+            if abs(r["loss"] - base["loss"]) > 0.02 * abs(base["loss"]):
+                print(f"WARNING: {LABELS[r['variant']]} first-step loss {r['loss']:.4f} differs from the local "
+                      f"spec's {base['loss']:.4f}: the variants may not share weights", flush=True)
+
+
+def main(argv: List[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", nargs="?", default="bench_results.jsonl")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or args.warmup < 1 or args.steps < 1:
+        p.error(f"variants {bad} (known: {VARIANTS}); warmup={args.warmup} and steps={args.steps} must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device (use --device cpu for a dry run)")
+        return
+    size = Size(args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seq, args.mbs, args.micro)
+
+    import parallel_state as ps
+
+    ps.initialize(backend="nccl" if args.device == "cuda" else "gloo")
+    print(f"bench_e2e {size.describe()} on {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}",
+          flush=True)
+    with ps.cpu_compat(enabled=args.device == "cpu"):
+        weights = _reference_weights(size, args)
+        batches = _batches(size, args.device)
+        results = []
+        for v in variants:
+            results.append(run_variant(v, size, args, weights, batches))
+            r = results[-1]
+            print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms, busy {r['busy_ms']:.1f} ms, "
+                  f"{r['tokens_s']:.0f} tokens/s, loss {r['loss']:.4f}", flush=True)
+    report(results, size)
+    dump(args.out)
+    ps.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -194,7 +194,11 @@ class AmaxTable:
         return True
 
     def _addresses(self) -> torch.Tensor:
-        """`[3, slots]` int64 device addresses of each slot's history row, scale and counter (cached)."""
+        """`[3, slots]` int64 device addresses of each slot's history row, scale and counter.
+
+        Cached per layout, whose key is the metas' `storage_id`s: every path that replaces an FP8 buffer
+        (`load_state_dict(assign=True)`, `.to()`/`_apply`, a history resize, any assignment of a buffer
+        attribute) gives its meta a new `storage_id`, so a table built from old storage is never used again."""
         layout = self._layout()
         if layout.addresses is None:
             rows = [[], [], []]

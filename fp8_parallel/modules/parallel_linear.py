@@ -6,6 +6,11 @@ are megatron's own; only the local GEMMs change. Communication goes through mega
 mappings (plain TP all-reduces the input gradient (column) or the output (row, in megatron's forward)). A
 column-parallel layer can instead gather its sequence-parallel input as FP8 bytes (`fp8_input_gather`); its
 gradient is then reduce-scattered in high precision, as megatron does.
+
+Alignment: the FP8 GEMMs need the per-rank feature sizes (`input_size`, `output_size` after the split) to be
+multiples of 16. A layer whose sizes are not is still exact: its GEMMs zero-pad (see `features_unaligned` in
+`_core`), and every tensor it returns is an ordinary contiguous tensor, so megatron's tensor-parallel
+communication sums it. Sizes that are multiples of 16 pay no padding.
 """
 from __future__ import annotations
 

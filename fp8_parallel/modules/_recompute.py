@@ -106,7 +106,8 @@ class Region:
 
 _TORCH = "torch/utils/checkpoint.py"
 _MEGATRON = "megatron/core/tensor_parallel/random.py"
-# (qualified name, file suffix) -> phase, for the frames of reentrant checkpoint implementations
+# qualified name -> (file suffix, phase) of the frames of reentrant checkpoint implementations; an empty
+# suffix: torch's or megatron's file (both name their autograd Function `CheckpointFunction`)
 _REENTRANT_FRAMES: Dict[str, Tuple[str, Phase]] = {
     "CheckpointFunction.forward": ("", Phase.FIRST_PASS),  # torch's and megatron's (file checked below)
     "CheckpointFunction.backward": ("", Phase.RECOMPUTE),
@@ -116,6 +117,7 @@ _REENTRANT_FRAMES: Dict[str, Tuple[str, Phase]] = {
 
 
 def _closure_value(fn: Any, name: str) -> Any:
+    """The value of closure variable `name` of a (possibly wrapped) hook function, or None."""
     fn = getattr(fn, "__wrapped__", fn)
     code = getattr(fn, "__code__", None)
     if code is None or name not in code.co_freevars or fn.__closure__ is None:

@@ -66,3 +66,33 @@ def test_import_grouped_does_not_import_the_megatron_integration():
             "assert 'fp8_parallel.megatron' not in sys.modules, 'grouped imported fp8_parallel.megatron'; "
             "import fp8_parallel.megatron as m, fp8_parallel.expert_scope as e; assert m.expert_scope is e.expert_scope")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_grouped_linear_follows_megatron_first_microbatch_protocol():
+    """megatron's schedule sets `is_first_microbatch = True` on every module that has it: the experts' weights
+    are cast once and the casts reused for the step's later microbatches."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from fp8_parallel.modules.grouped import GroupedLinear
+
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, use_cpu_initialization=True,
+                            perform_initialization=False)
+    lin = GroupedLinear(2, 32, 16, partition="row", config=cfg, init_method=None)
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(10, 32, generator=gen)
+    with fp.autocast(recipe=fp.DelayedScaling()):
+        lin(x, [4, 6])
+    assert all(st.weight_fp8 is None for st in lin.fp8)  # attribute unset: no caching
+    lin.is_first_microbatch = True
+    with fp.autocast(recipe=fp.DelayedScaling()):
+        y1 = lin(x, [4, 6])
+    cached = [st.weight_fp8 for st in lin.fp8]
+    assert all(c is not None for c in cached) and lin.is_first_microbatch is False
+    with fp.autocast(recipe=fp.DelayedScaling()):
+        y2 = lin(x, [4, 6])
+    assert all(st.weight_fp8 is c for st, c in zip(lin.fp8, cached))
+    assert torch.equal(y1, y2)

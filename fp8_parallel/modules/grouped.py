@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..expert_scope import expert_scope
 from ._core import FP8State, fp8_linear, history_len_of
+from .parallel_linear import _first_microbatch
 
 
 class GroupedLinear(torch.nn.Module):
@@ -62,14 +63,17 @@ class GroupedLinear(torch.nn.Module):
                      history_len=history_len_of(config))
             for i in range(num_gemms)
         )
+        self.is_first_microbatch: Optional[bool] = None  # megatron's schedule sets True at a step's first microbatch
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """Expert `i` on rows `sum(m_splits[:i]) : sum(m_splits[:i+1])` of `x: [tokens, in]`.
 
         `is_first_microbatch`: weight caching, as in `fp8_linear` (True casts and caches every expert's weight,
-        False reuses the casts, None casts every call). An expert with no rows still runs (see the module
-        docstring); its output block is empty and its weight gradient zero.
+        False reuses the casts, None casts every call); when not given, megatron's protocol as for the parallel
+        linears (its schedule sets the attribute at a step's first microbatch). An expert with no rows still runs
+        (see the module docstring); its output block is empty and its weight gradient zero.
         """
+        first = _first_microbatch(self, is_first_microbatch)
         splits = [int(m) for m in m_splits]
         if len(splits) != self.num_gemms:
             raise ValueError(f"GroupedLinear: {len(splits)} splits for {self.num_gemms} GEMMs")
@@ -80,7 +84,7 @@ class GroupedLinear(torch.nn.Module):
         wgrad_in_fp8 = getattr(self.config, "fp8_wgrad", True)
         for i, chunk in enumerate(torch.split(x, splits, dim=0)):
             weight, bias = getattr(self, f"weight{i}"), getattr(self, f"bias{i}")
-            outs.append(fp8_linear(chunk, weight, bias, self.fp8[i], is_first_microbatch, wgrad_in_fp8))
+            outs.append(fp8_linear(chunk, weight, bias, self.fp8[i], first, wgrad_in_fp8))
         return torch.cat(outs, dim=0)
 
 

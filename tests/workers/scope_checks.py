@@ -236,6 +236,13 @@ def _checkpoint_variant(kind: str):
                     outc = inner * 1.0
                     recompute.discard_output_and_register_recompute(outc)
                 outc.sum().backward()
+            elif kind == "megatron_scope_inside":  # as our layers under megatron's full recompute
+                def inner(h):
+                    with fp.autocast(recipe=recipe, group=WORLD_GROUP):  # shares the outer key
+                        return block(ckpt, h)
+                with fp.autocast(recipe=recipe, group=WORLD_GROUP):
+                    outc = tensor_parallel.checkpoint(inner, False, xc)
+                outc.sum().backward()
             else:
                 with fp.autocast(recipe=recipe, group=WORLD_GROUP):
                     if kind == "torch_nonreentrant":
@@ -262,7 +269,7 @@ def check_activation_checkpointing():
 
         model_parallel_cuda_manual_seed(123)
     for kind in ("torch_nonreentrant", "torch_reentrant", "megatron", "megatron_without_output",
-                 "scope_inside_nonreentrant"):
+                 "megatron_scope_inside", "scope_inside_nonreentrant"):
         _checkpoint_variant(kind)
 
 

@@ -294,6 +294,12 @@ def _dist_checkpoint_round_trip(model, build):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _dense_block_spec():
+    from fp8_parallel.megatron_lm import block_spec
+
+    return block_spec
+
+
 def _gpt_checks():
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
@@ -312,18 +318,19 @@ def _gpt_checks():
                 num_layers=4, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                 tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                 expert_model_parallel_size=2 if moe else 1, sequence_parallel=True, pipeline_dtype=torch.float32,
-                fp8=None, fp8_recipe="delayed", fp8_amax_history_len=4,
+                fp8=None if moe else "hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
                 fp8_amax_compute_algo="max", **extra,
                 # dense: FP8 + PP + full recompute (megatron's reentrant checkpoint) + weight caching
                 **({} if moe else dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
             )
             if moe:  # megatron 0.16 refuses fp8 + MoE in __post_init__ without TransformerEngine: set it after
                 cfg.fp8 = "hybrid"
-            # dense: megatron 0.16 sends full recompute through TransformerEngine when config.fp8 is set, so
-            # the dense model keeps config.fp8 off and runs under our own autocast (the layers follow it)
+            # dense: config-driven FP8 (megatron's schedule passes is_first_microbatch); megatron 0.16 would send
+            # full recompute through TransformerEngine when config.fp8 is set, so the dense model uses the
+            # block spec whose block recomputes through megatron's own checkpoint
             recipe = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
             model = GPTModel(
-                config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, num_experts=4 if moe else None, moe_grouped_gemm=grouped),
+                config=cfg, transformer_layer_spec=_dense_block_spec() if not moe else get_gpt_block_spec(cfg, num_experts=4, moe_grouped_gemm=grouped),
                 vocab_size=128, max_sequence_length=32,
                 pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             )
@@ -364,11 +371,13 @@ def _gpt_checks():
             assert losses[-1] < 0.9 * losses[0], losses
         if not moe:
             _dist_checkpoint_round_trip(model, lambda: GPTModel(
-                config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg), vocab_size=128, max_sequence_length=32,
+                config=cfg, transformer_layer_spec=_dense_block_spec(), vocab_size=128, max_sequence_length=32,
                 pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage()))
         states = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8State)]
         assert states and all((m.fwd.amax_history[:, 0] > 0).all() for _, m in states)
         # with config.fp8 set, megatron's schedule drives the weight cache (is_first_microbatch)
+        if not moe:
+            assert cfg.fp8 and type(model.decoder).__name__ == "FP8TransformerBlock", "dense GPT must run config-driven FP8"
         if cfg.fp8:
             cached = [n for n, m in model.named_modules()
                       if isinstance(getattr(m, "fp8", None), FP8State) and m.fp8.weight_fp8 is not None]

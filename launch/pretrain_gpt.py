@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     import torch
 
     from launch.train.arguments import ArgumentError, embedded_default_argv, parse_args
-    from launch.train.data import DataError, check_data_path
+    from launch.train.datapath import DataError, check_data_path
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:

@@ -12,7 +12,8 @@ import os
 import random
 from typing import Iterator, List
 
-from .indexed import dataset_exists, write_indexed_dataset
+from .datapath import dataset_exists
+from .indexed import write_indexed_dataset
 from .tokenizer import ByteTokenizer, token_dtype
 
 CORPUS_SEED = 20261130

@@ -19,28 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import get_blend_from_list
 
 from .corpus import default_cache_dir, ensure_default_corpus
-from .indexed import dataset_exists
-
-
-class DataError(ValueError):
-    """Data flags that name no usable dataset."""
-
-
-def check_data_path(data_path: Optional[Sequence[str]]) -> None:
-    """Check `--data-path` on this rank's file system (call it on every rank before any collective).
-
-    Raises:
-        DataError: a prefix without its `.bin` / `.idx` files, or a weight without a prefix.
-    """
-    if not data_path:
-        return
-    prefixes = [p for p in data_path if not _is_number(p)]
-    if not prefixes or (len(prefixes) != len(data_path) and 2 * len(prefixes) != len(data_path)):
-        raise DataError(f"--data-path {' '.join(data_path)}: expected PREFIX ... or WEIGHT PREFIX WEIGHT PREFIX ...")
-    missing = [p for p in prefixes if not dataset_exists(p)]
-    if missing:
-        raise DataError(f"--data-path: no megatron indexed dataset at {', '.join(missing)} (expected PREFIX.bin "
-                        "and PREFIX.idx; make one with launch/preprocess_data.py)")
+from .datapath import DataError, check_data_path
 
 
 def resolve_data_path(data_path: Optional[Sequence[str]]) -> List[str]:
@@ -54,14 +33,6 @@ def resolve_data_path(data_path: Optional[Sequence[str]]) -> List[str]:
     if dist.is_initialized():
         dist.barrier()
     return [ensure_default_corpus(cache)]  # present now: returns the prefix
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def build_train_dataset(args, tokenizer) -> GPTDataset:

@@ -35,10 +35,3 @@ def write_indexed_dataset(prefix: str, documents: Iterable[List[int]], dtype, eo
     os.replace(tmp + ".bin", prefix + ".bin")
     os.replace(tmp + ".idx", prefix + ".idx")
     return count
-
-
-def dataset_exists(prefix: str) -> bool:
-    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
-
-
-

@@ -1,11 +1,8 @@
 """The training job from parsed flags: groups, model, optimizer, data, checkpoints, steps, outputs."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -125,10 +122,10 @@ def _train(args: RunArgs) -> int:
             pos.iteration += 1
             pos.consumed_samples += args.global_batch_size
             row = {"iteration": pos.iteration, "consumed_samples": pos.consumed_samples, "loss": result.loss,
-                   "lr": step.lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_step / (step_ms / 1e3),
+                   "lr": result.lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_step / (step_ms / 1e3),
                    "step_ms": step_ms, "update_successful": result.update_successful}
             row.update(fp8_health(model, result.scopes_opened, result.scopes_reduced))
-            if pos.iteration % args.log_interval == 0 or pos.iteration == args.train_iters:
+            if pos.iteration % args.log_interval == 0 or pos.iteration in (1, args.train_iters):
                 layers = gather_layer_state(model, log_rank)
                 if layers is not None:
                     row["fp8_layers"] = layers

@@ -90,11 +90,12 @@ def transformer_config(args) -> TransformerConfig:
 def build_model(args, config: TransformerConfig, vocab_size: int) -> List[torch.nn.Module]:
     """This rank's model chunks (one per virtual stage): GPTModel, in Float16Module for bf16, in megatron DDP.
 
-    Seeded from `--seed`: megatron's model-parallel RNG tracker and torch's generator, so every launch with
-    the same seed builds the same weights.
+    Seeded from `--seed`: megatron's model-parallel RNG tracker (graph-safe states with `--cuda-graph` on GPUs)
+    and torch's generator, so every launch with the same seed builds the same weights.
     """
     torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    # CUDA graphs replay RNG (dropout, attention) only from graph-safe generator states
+    model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=bool(args.cuda_graph) and torch.cuda.is_available())
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for v in range(vpp or 1):

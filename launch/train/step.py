@@ -21,6 +21,7 @@ from fp8_parallel.scopes import current_scope
 @dataclasses.dataclass
 class StepResult:
     loss: Optional[float]          # mean over the global batch (last pipeline stage only, else None)
+    lr: float                      # the learning rate this step used
     grad_norm: Optional[float]
     update_successful: bool
     scopes_opened: int             # FP8 scopes the forward step opened (one per micro batch and chunk)
@@ -82,6 +83,7 @@ class TrainStep:
             num_microbatches=self.num_microbatches, seq_length=self.seq_length, micro_batch_size=self.mbs,
             forward_only=False,
         )
+        lr = self.lr
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
@@ -91,7 +93,7 @@ class TrainStep:
             dist.all_reduce(mean, group=mpu.get_data_parallel_group(with_context_parallel=True))
             loss = mean.item() / mpu.get_data_parallel_world_size(with_context_parallel=True)
         reduced = sum(1 for s in self._scope_states if s.forward_done and s.backward_done)
-        return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
+        return StepResult(loss=loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
                           update_successful=bool(update_successful), scopes_opened=len(self._scope_states),
                           scopes_reduced=reduced)
 

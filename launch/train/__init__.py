@@ -1,0 +1,10 @@
+"""Components of the GPT training job (`launch/pretrain_gpt.py`), one job per module:
+
+* `arguments` — megatron's flag names, validation, the embedded default run's flags;
+* `datapath`, `tokenizer`, `indexed`, `corpus`, `data` — data: checks, tokenizers, indexed-dataset writing,
+  the generated default corpus, megatron-core's GPTDataset and resumable step batches;
+* `model` — TransformerConfig, GPTModel with our FP8 spec, DDP, distributed optimizer, LR schedule;
+* `step` — one step on megatron's pipeline schedule inside the FP8 scope;
+* `metrics` — FP8 health, per-layer FP8 state, progress bar / log lines / TensorBoard / JSON lines;
+* `loop` — the job: start, resume, train, save.
+"""

@@ -1,0 +1,297 @@
+"""The GPT training job (launch/pretrain_gpt.py): flags, bad input, data preprocessing, short multi-rank runs
+on CPU/gloo (TP2, PP2 with virtual stages, MoE with FP8), determinism, the JSON log and its plot, a two-agent
+rendezvous, and the embedded default run end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from launcher import REPO, _free_port
+
+ENTRY = REPO / "launch" / "pretrain_gpt.py"
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--min-lr", "1e-3",
+        "--lr-warmup-iters", "1", "--log-interval", "2", "--no-progress-bar"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4"]
+
+
+def _env(tmp_path: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+                "FP8P_DATA_CACHE": str(tmp_path.parent / "fp8p-data-cache")})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900, expect_ok: bool = True,
+              rdzv: List[str] = ()) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           *(rdzv or ["--nnodes=1", f"--master_port={_free_port()}"]), str(ENTRY), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if expect_ok:
+        assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-15000:]}"
+    return out
+
+
+def _rows(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _assert_falls(rows: List[dict], factor: float) -> None:
+    losses = [r["loss"] for r in rows]
+    assert all(isinstance(x, float) for x in losses), losses
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
+    assert last < factor * first, f"loss did not fall: {losses}"
+
+
+# -- flags and bad input (no ranks started) ----------------------------------------------------------------
+
+def test_flags_parsed_with_megatron_names():
+    from launch.train.arguments import embedded_default_argv, parse_args
+
+    args = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--virtual-pipeline-model-parallel-size", "2", "--num-layers", "8", "--micro-batch-size", "2",
+                       "--global-batch-size", "16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                       "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "most_recent", "--fp8-margin", "1",
+                       "--recompute-granularity", "selective", "--lr-decay-style", "linear", "--clip-grad", "0.5",
+                       "--data-path", "0.3", "a", "0.7", "b", "--split", "90,10,0", "--log-json", "x.jsonl"],
+                      world_size=8)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, args.data_parallel_size) == (2, 2, 2, 2)
+    assert (args.fp8, args.fp8_recipe, args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.fp8_margin) == \
+        ("e4m3", "tensorwise", 8, "most_recent", 1)
+    assert args.data_path == ["0.3", "a", "0.7", "b"] and args.clip_grad == 0.5
+    assert parse_args(["--num-layers", "2"], world_size=1).fp8 is None  # absent --fp8-format: no FP8
+    default = parse_args(embedded_default_argv(4, gpu=False), world_size=4)
+    assert (default.tensor_model_parallel_size, default.pipeline_model_parallel_size,
+            default.expert_model_parallel_size, default.expert_tensor_parallel_size, default.num_experts,
+            default.fp8, default.cuda_graph) == (2, 2, 2, 1, 4, "hybrid", False)
+    assert "--cuda-graph" in embedded_default_argv(4, gpu=True)
+
+
+@pytest.mark.parametrize("argv, world, needle", [
+    (["--tensor-model-parallel-size", "3"], 4, "tensor x pipeline x context parallel = 3 x 1 x 1"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--num-layers=3"),
+    (["--expert-model-parallel-size", "3", "--num-experts", "6"], 4, "--expert-model-parallel-size=3"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size=6"),
+    (["--tensor-model-parallel-size", "0"], 1, "--tensor-model-parallel-size=0"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
+])
+def test_invalid_sizes_are_named(argv, world, needle):
+    from launch.train.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError) as err:
+        parse_args(argv, world_size=world)
+    assert needle in str(err.value), err.value
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tensor-model-parallel-size", "3"], "world size 4 is not divisible"),
+    (["--data-path", "/nonexistent/corpus_text_document"], "no megatron indexed dataset at /nonexistent/corpus"),
+])
+def test_bad_input_exits_nonzero_fast_on_every_rank(tmp_path, argv, needle):
+    """Checked before any collective: 4 ranks all exit 2 with the reason, no hang."""
+    out = _torchrun(tmp_path, 4, argv, timeout=300, expect_ok=False)
+    assert out.count(needle) == 4, out[-5000:]
+    assert "exitcode  : 2" in out, out[-5000:]
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+def test_preprocess_text_and_jsonl(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    text = tmp_path / "in.txt"
+    text.write_text("first doc line one\nline two\n\nsecond doc \u00e9\n\n\n")
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text(json.dumps({"text": "alpha"}) + "\n" + json.dumps({"text": "beta gamma"}) + "\n")
+    for src, docs, extra in ((text, ["first doc line one\nline two", "second doc \u00e9"], []),
+                             (jsonl, ["alpha", "beta gamma"], [])):
+        prefix = tmp_path / f"out_{src.suffix[1:]}"
+        proc = subprocess.run([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(src),
+                               "--output-prefix", str(prefix), *extra], capture_output=True, text=True, timeout=300,
+                              env=_env(tmp_path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        ds = IndexedDataset(str(prefix))
+        assert len(ds) == len(docs)
+        for i, doc in enumerate(docs):
+            assert ds[i].tolist() == list(doc.encode("utf-8")) + [256], (i, ds[i])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text key"}\n')
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(bad),
+                           "--output-prefix", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300,
+                          env=_env(tmp_path))
+    assert proc.returncode == 2 and "bad.jsonl:2" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bad.idx").exists()
+
+
+def test_data_resumes_at_consumed_samples():
+    """Step batches depend only on the sample position: the step at sample k equals itself from any start."""
+    import torch
+
+    from launch.train.data import StepBatches
+
+    data = [{"tokens": torch.tensor([i]), "labels": torch.tensor([i]), "loss_mask": torch.ones(1),
+             "position_ids": torch.zeros(1)} for i in range(64)]
+    ranks = [StepBatches(data, micro_batch_size=2, global_batch_size=8, dp_rank=r, dp_size=2) for r in range(2)]
+    seen = sorted(int(t) for b in ranks for mb in b.step(8) for t in mb["tokens"].flatten())
+    assert seen == list(range(8, 16))
+    assert [mb["tokens"].flatten().tolist() for mb in ranks[1].step(8)] == [[10, 11], [14, 15]]
+    with pytest.raises(IndexError, match="sample 60"):
+        ranks[0].step(60)
+
+
+# -- short runs ---------------------------------------------------------------------------------------------
+
+def test_tp2_run_json_log_and_plot(tmp_path):
+    log = tmp_path / "run.jsonl"
+    out = _torchrun(tmp_path, 2, TINY + FP8 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                               "--recompute-granularity", "full", "--train-iters", "8",
+                                               "--log-json", str(log), "--tensorboard-dir", str(tmp_path / "tb")])
+    rows = _rows(log)
+    assert [r["iteration"] for r in rows] == list(range(1, 9)), out[-3000:]
+    for r in rows:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "fp8_nonfinite_amax", "fp8_scale_min",
+                    "fp8_scale_max", "fp8_scopes_opened", "fp8_scopes_reduced"):
+            assert r[key] is not None, (key, r)
+        assert r["fp8_nonfinite_amax"] == 0 and r["fp8_scopes_reduced"] == r["fp8_scopes_opened"] == 2 * 4, r
+    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-2 and rows[-1]["lr"] < rows[1]["lr"], "warm-up, then decay"
+    assert rows[-1]["fp8_scale_min"] != 1.0 or rows[-1]["fp8_scale_max"] != 1.0, "FP8 scales never updated"
+    layers = rows[-1]["fp8_layers"]
+    assert any(k.startswith("layer01/") for k in layers) and any(k.startswith("layer02/") for k in layers), layers
+    _assert_falls(rows, 0.8)
+    assert "iteration      2 | loss" in out and "scopes reduced" in out
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    png = tmp_path / "run.png"
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "plot_run.py"), str(log), str(png)],
+                          capture_output=True, text=True, timeout=300, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert png.stat().st_size > 10000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pp2_interleaved_run_with_graphed_layers(tmp_path):
+    """PP2 with 2 virtual stages; --cuda-graph takes graph_megatron_layers' eager path on CPU (one warning)."""
+    log = tmp_path / "run.jsonl"
+    out = _torchrun(tmp_path, 2, TINY + FP8 + ["--pipeline-model-parallel-size", "2",
+                                               "--virtual-pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                               "--cuda-graph", "--train-iters", "8", "--log-json", str(log)])
+    assert out.count("CUDA is not available; the callables run eagerly") == 1, out[-5000:]
+    rows = _rows(log)
+    assert len(rows) == 8
+    _assert_falls(rows, 0.8)
+    # 4 micro batches x 2 virtual stages open one FP8 scope each on each of the 2 ranks
+    assert all(r["fp8_scopes_reduced"] == r["fp8_scopes_opened"] == 16 for r in rows), rows[-1]
+
+
+def test_moe_fp8_run_is_deterministic(tmp_path):
+    """MoE (EP2) with FP8, megatron's TransformerConfig refuses fp8 + MoE without TransformerEngine; the job
+    keeps FP8 out of the config and still runs the experts in FP8. Two runs give bitwise equal losses."""
+    runs = []
+    for name in ("a", "b"):
+        log = tmp_path / f"{name}.jsonl"
+        _torchrun(tmp_path, 2, TINY + FP8 + ["--num-experts", "4", "--moe-router-topk", "2",
+                                             "--expert-model-parallel-size", "2", "--train-iters", "8",
+                                             "--seed", "77", "--log-json", str(log)])
+        runs.append(_rows(log))
+    a, b = runs
+    assert [r["loss"] for r in a] == [r["loss"] for r in b], ([r["loss"] for r in a], [r["loss"] for r in b])
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    _assert_falls(a, 0.85)
+    experts = {k: v for k, v in a[-1]["fp8_layers"].items() if "/ep" in k}
+    assert {k.split("/")[1] for k in experts} == {"ep0", "ep1"}, list(experts)
+    assert any(s != 1.0 for v in experts.values() for s in v["scale"]), "expert FP8 scales never updated"
+    assert all(r["fp8_nonfinite_amax"] == 0 for r in a)
+
+
+def test_two_agents_join_through_c10d_rendezvous(tmp_path):
+    """Two torchrun agents (2 ranks each) on 127.0.0.1 form one 4-rank job (TP2 x PP2)."""
+    port = _free_port()
+    log = tmp_path / "run.jsonl"
+    args = TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--train-iters", "3", "--log-json", str(log)]
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=2",
+               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=fp8p-test", str(ENTRY), *args]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=900)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-10000:]
+    text = "".join(outs)
+    assert "job: 4 ranks, tp 2 pp 2" in text, text[-5000:]
+    assert [r["iteration"] for r in _rows(log)] == [1, 2, 3]
+
+
+def test_default_job_end_to_end(tmp_path):
+    """The README's first command: no flags, 4 ranks, MoE GPT on TP2 x PP2 x EP2 with FP8; loss falls and a
+    checkpoint is written."""
+    out = _torchrun(tmp_path, 4, [], timeout=1500)
+    assert "no flags: the embedded default run" in out
+    assert "tp 2 pp 2 vpp None cp 1 dp 1 ep 2 etp 1" in out and "experts 4; fp8 hybrid" in out, out[-5000:]
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    assert len(losses) == 8 and losses[-1] < 0.6 * losses[0], losses
+    assert "saved checkpoint at iteration 40" in out, out[-5000:]
+    assert any((tmp_path / "checkpoints" / "gpt_default").iterdir())
+    assert out.count("missing: megatron-core uses its torch fallbacks") == 1
+    assert "are not installed" not in out and "is not installed" not in out
+
+
+# -- GPUs (skipped without CUDA) ------------------------------------------------------------------------------
+
+def _gpu_torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900) -> str:
+    env = _env(tmp_path)
+    env.pop("CUDA_VISIBLE_DEVICES")
+    env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           f"--master_port={_free_port()}", str(ENTRY), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-15000:]}"
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_default_job_one_gpu(tmp_path):
+    """The no-flag run on one GPU: NCCL, bf16 with fp32 master weights, FP8, graphed layers; loss falls."""
+    import torch
+
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a GPU")
+    out = _gpu_torchrun(tmp_path, 1, [])
+    assert "--bf16 --cuda-graph" in out and "fp8 hybrid" in out, out[-5000:]
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    assert len(losses) == 8 and losses[-1] < 0.6 * losses[0], losses
+    assert "runs eagerly" not in out, out[-5000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+                                     "2", "--num-layers", "4"]])
+def test_gpu_two_gpus_fp8_graphed(tmp_path, layout):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    log = tmp_path / "run.jsonl"
+    _gpu_torchrun(tmp_path, 2, TINY + FP8 + layout + ["--bf16", "--cuda-graph", "--train-iters", "8",
+                                                      "--log-json", str(log)])
+    rows = _rows(log)
+    assert len(rows) == 8 and all(r["fp8_nonfinite_amax"] == 0 for r in rows), rows[-1]
+    _assert_falls(rows, 0.85)

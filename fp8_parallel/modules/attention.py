@@ -247,8 +247,12 @@ class SDPADotProductAttention(MegatronModule):
                 f"got {query.shape[0]} queries and {key.shape[0]} keys")
         cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         chunk = query.shape[0] // 2
-        full = gather_sequence(torch.stack((key, value), dim=1), self.cp_group)  # [S, 2, b, ng, hn], one collective
-        seq = full.shape[0]
+        if key.shape == value.shape:  # one collective for both
+            full = gather_sequence(torch.stack((key, value), dim=1), self.cp_group)  # [S, 2, b, ng, hn]
+            full_key, full_value = full[:, 0], full[:, 1]
+        else:
+            full_key, full_value = gather_sequence(key, self.cp_group), gather_sequence(value, self.cp_group)
+        seq = full_key.shape[0]
         if masked is not None and masked.shape[-1] != seq:
             raise ValueError(
                 f"SDPADotProductAttention: with context parallel the mask's key dimension must be the full "
@@ -260,6 +264,6 @@ class SDPADotProductAttention(MegatronModule):
             mask = None
             if masked is not None:
                 mask = masked[..., :keys] if masked.shape[-2] == 1 else masked[..., rows, :keys]
-            outs.append(self._attend(query[rows], full[:keys, 0], full[:keys, 1], index * chunk, causal, mask,
+            outs.append(self._attend(query[rows], full_key[:keys], full_value[:keys], index * chunk, causal, mask,
                                      dropout_p))
         return torch.cat(outs)

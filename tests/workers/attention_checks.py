@@ -267,22 +267,26 @@ def check_gpt_cp1_reference() -> None:
 def check_cp_attention_matches_full() -> None:
     cp, rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
     gen = torch.Generator().manual_seed(SEED + 1)  # the same full tensors on every rank
-    for seq, b, heads, groups, dim in [(16, 2, 4, 4, 8), (24, 1, 8, 2, 4)]:
+    # (seq, b, heads, groups, head dim, value head dim)
+    for seq, b, heads, groups, dim, v_dim in [(16, 2, 4, 4, 8, 8), (24, 1, 8, 2, 4, 4), (16, 2, 4, 2, 8, 6)]:
         q, k, v = _qkv(gen, seq, seq, b, heads, groups, dim)
-        grad = torch.randn(seq, b, heads * dim, generator=gen).to(DEV)
+        if v_dim != dim:  # keys and values gathered separately
+            v = torch.randn(seq, b, groups, v_dim, generator=gen).to(DEV).requires_grad_()
+        grad = torch.randn(seq, b, heads * v_dim, generator=gen).to(DEV)
         key_pad = (torch.rand(b, 1, seq, seq, generator=gen) < 0.3).to(DEV)
         key_pad[..., 0] = False
         local = lambda t, dim_=0: get_batch_on_this_cp_rank({"x": t.movedim(dim_, 1)})["x"].movedim(1, dim_)  # noqa: E731
-        for name, mask_type, mask in [("causal", AttnMaskType.causal, None),
-                                      ("causal+padding", AttnMaskType.causal, key_pad),
-                                      ("padding", AttnMaskType.padding, key_pad),
-                                      ("no mask", AttnMaskType.no_mask, None)]:
-            full = SDPADotProductAttention(_attn_config(heads, groups, dim), 1, mask_type, "self")
+        for name, mask_type, mask, extra in [("causal", AttnMaskType.causal, None, {}),
+                                             ("causal+padding", AttnMaskType.causal, key_pad, {}),
+                                             ("padding", AttnMaskType.padding, key_pad, {}),
+                                             ("no mask", AttnMaskType.no_mask, None, {}),
+                                             ("sliding window", AttnMaskType.causal, None, {"window_size": (5, 0)})]:
+            full = SDPADotProductAttention(_attn_config(heads, groups, dim, **extra), 1, mask_type, "self")
             want = _run(full, q, k, v, mask, grad=grad)
-            ours = SDPADotProductAttention(_attn_config(heads, groups, dim, cp=cp), 1, mask_type, "self")
+            ours = SDPADotProductAttention(_attn_config(heads, groups, dim, cp=cp, **extra), 1, mask_type, "self")
             local_mask = None if mask is None else get_batch_on_this_cp_rank({"attention_mask": mask})["attention_mask"]
             got = _run(ours, local(q), local(k), local(v), local_mask, grad=local(grad))
-            _close(got, [local(t) for t in want], f"CP{cp} rank {rank} {name} {(seq, b, heads, groups, dim)}")
+            _close(got, [local(t) for t in want], f"CP{cp} rank {rank} {name} {(seq, b, heads, groups, dim, v_dim)}")
 
 
 def _check_gpt_cp(name: str):

@@ -125,9 +125,12 @@ def find_current(root: Path) -> Tuple[Optional[Path], List[str]]:
         return None, notes
     name = read_latest(root)
     if name is not None:
-        if not (root / name).is_dir():
-            raise CheckpointFileError(f"{root / LATEST} points to {name}, which does not exist")
-        return root / name, notes
+        if (root / name).is_dir():
+            return root / name, notes
+        aside = root / f"{name}.old"  # a re-save of the same iteration killed between its two renames
+        if (aside / MANIFEST).is_file():
+            return aside, notes + [f"{root / LATEST} points to {name}, which a killed re-save moved to {aside.name}"]
+        raise CheckpointFileError(f"{root / LATEST} points to {name}, which does not exist")
     complete = sorted((p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()),
                       key=lambda p: int(_NAME.match(p.name).group(1)))
     for p in root.iterdir():

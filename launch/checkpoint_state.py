@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# fully reshardable optimizer state, keyed like the model's tensors (no per-optimizer prefix, so MoE's dense and
+# expert optimizers load by key whatever the layout)
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 RNG_KEY = "rng_state.per_rank"
 
 

@@ -39,7 +39,7 @@ SHAPE_ARGS = (
     "num_experts", "moe_ffn_hidden_size", "vocab_size", "padded_vocab_size", "max_position_embeddings",
     "position_embedding_type", "normalization", "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
 )
-PAUSE_ENV = "FP8P_CHECKPOINT_TEST_PAUSE_S"  # test only: seconds to sleep at each save stage (kill tests)
+PAUSE_ENV = "FP8P_CHECKPOINT_TEST_PAUSE"  # test only, "STAGE:SECONDS": sleep at one save stage (kill tests)
 
 
 class CheckpointError(RuntimeError):
@@ -61,11 +61,14 @@ def _log(message: str) -> None:
 
 
 def _test_pause(stage: str) -> None:
-    """Test hook: announce `stage` and sleep there when PAUSE_ENV is set, so a test can kill a save mid-way."""
-    seconds = os.environ.get(PAUSE_ENV)
-    if seconds:
+    """Test hook: with PAUSE_ENV set, announce each save stage and sleep at the named one, so a test can kill
+    a save there (stages: tensors, metadata, manifest, publish)."""
+    setting = os.environ.get(PAUSE_ENV)
+    if setting:
         print(f"checkpoint save stage {stage} (rank {dist.get_rank()})", flush=True)
-        time.sleep(float(seconds))
+        name, _, seconds = setting.partition(":")
+        if name == stage:
+            time.sleep(float(seconds or 600))
 
 
 def _agree(error: Optional[str]) -> None:
@@ -156,6 +159,7 @@ def save_checkpoint(
         sharded, _ = cs.model_sharded(model)
         sd: Dict[str, Any] = dict(sharded)
         if optimizer is not None:
+            cs.ensure_optimizer_state(optimizer)  # a save before the first step
             sd["optimizer"] = optimizer.sharded_state_dict(sharded, metadata=dict(cs.OPTIMIZER_SHARDING))
         sd["rng"] = cs.rng_sharded(blob, rng_len)
         _test_pause("tensors")

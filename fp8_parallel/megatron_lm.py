@@ -36,6 +36,17 @@ from megatron.core.utils import get_pg_rank
 from .megatron import fp8_context, get_gpt_layer_spec, recipe_from_config
 from .modules.norm import Norm
 
+__all__ = [
+    "FP8TransformerBlock",
+    "StageBlockSpec",
+    "adopt_block",
+    "block_spec",
+    "block_spec_qk_norm",
+    "layer_spec",
+    "moe_block_spec",
+    "moe_grouped_block_spec",
+]
+
 _FRAMES_SEARCHED = 8  # how far up the stack the block under construction is looked for
 
 
@@ -117,6 +128,9 @@ def _block_under_construction() -> TransformerBlock:
 
 def adopt_block(block: TransformerBlock) -> FP8TransformerBlock:
     """Make a plain megatron `TransformerBlock` an `FP8TransformerBlock` (same state, same parameters).
+
+    megatron's `GPTModel` constructs `TransformerBlock` itself, whatever the spec says; switching the class of
+    the block it built is how its forward gets the FP8 scope without changing megatron.
 
     Raises:
         TypeError: `block` is a different subclass of TransformerBlock (its behaviour would be lost).

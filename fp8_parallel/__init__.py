@@ -1,25 +1,75 @@
-"""fp8_parallel: FP8 training for Megatron-style parallelism."""
+"""fp8_parallel: FP8 training for Megatron-style parallelism.
+
+Importing the package is cheap: the megatron-core integrations (`fp8_parallel.megatron`,
+`fp8_parallel.pipeline`, and the tensor-parallel linears) are imported on first access.
+
+TransformerEngine users: `import fp8_parallel as te` and `from fp8_parallel import recipe` stand in for
+`import transformer_engine.pytorch as te` and `from transformer_engine.common import recipe`.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, List
+
+from . import recipe
 from .amax_table import AmaxLayoutMismatch
 from .graphs import GraphedCallable, make_graphed_callables
-from .scopes import autocast, fp8_autocast, nonfinite_amax_count
-from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, Linear, RowParallelLinear
-from .recipe import CurrentScaling, DelayedScaling, Format, fp8_max
+from .modules import FP8State, LayerNormLinear, LayerNormMLP, Linear
+from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
+from .scopes import autocast, nonfinite_amax_count
+from .te_compat import TE_NAMES_NOT_PROVIDED, FP8Availability, fp8_autocast, is_fp8_available
 from .tensor import Float8Tensor
+
+# name -> module it lives in; imported on first access because these import megatron-core
+_LAZY = {
+    "megatron": None,
+    "pipeline": None,
+    "ColumnParallelLinear": ".modules",
+    "RowParallelLinear": ".modules",
+    "LayerNormColumnParallelLinear": ".modules",
+}
 
 __all__ = [
     "AmaxLayoutMismatch",
     "ColumnParallelLinear",
-    "LayerNormColumnParallelLinear",
-    "RowParallelLinear",
     "CurrentScaling",
     "DelayedScaling",
+    "FP8Availability",
+    "FP8State",
+    "Float8CurrentScaling",
     "Float8Tensor",
     "Format",
     "GraphedCallable",
+    "LayerNormColumnParallelLinear",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
+    "RowParallelLinear",
     "autocast",
     "fp8_autocast",
     "fp8_max",
+    "is_fp8_available",
     "make_graphed_callables",
+    "megatron",
     "nonfinite_amax_count",
+    "pipeline",
+    "recipe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`megatron`, `pipeline` and the megatron-signature linears, imported on first access; TransformerEngine
+    names that are not provided raise AttributeError saying what to use instead."""
+    if name in _LAZY:
+        where = _LAZY[name]
+        value = importlib.import_module(f".{name}", __name__) if where is None else getattr(
+            importlib.import_module(where, __name__), name)
+        globals()[name] = value
+        return value
+    if name in TE_NAMES_NOT_PROVIDED:
+        raise AttributeError(f"fp8_parallel has no {name} (a TransformerEngine name): {TE_NAMES_NOT_PROVIDED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,11 +1,33 @@
-"""FP8 formats and scaling recipes: plain, frozen, hashable configuration."""
+"""FP8 formats and scaling recipes: plain, frozen, hashable configuration.
+
+The names follow TransformerEngine's `transformer_engine.common.recipe`, so `from fp8_parallel import recipe`
+stands in for `from transformer_engine.common import recipe`: `Format`, `DelayedScaling`,
+`Float8CurrentScaling` (our `CurrentScaling`), `MMParams`, and the `Recipe` base with its kind predicates.
+TransformerEngine fields that select behaviour we do not implement are accepted at their defaults and
+refused, with the reason, at any other value. Its block-scaled recipes exist as names that refuse to be
+constructed and say what to use instead.
+"""
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+
+__all__ = [
+    "CurrentScaling",
+    "CustomRecipe",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MMParams",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "Recipe",
+    "fp8_max",
+]
 
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 """"max" (max over the history), "most_recent" (the newest amax), or a callable mapping a
@@ -18,22 +40,27 @@ class Format(enum.Enum):
     """Which FP8 encodings are used in the forward and the backward pass."""
 
     E4M3 = "e4m3"  # E4M3 everywhere
+    E5M2 = "e5m2"  # E5M2 everywhere: a valid name, but no recipe trains with it (as in TransformerEngine)
     HYBRID = "hybrid"  # E4M3 forward (activations, weights), E5M2 backward (gradients)
 
     @property
     def forward_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
+        """The FP8 dtype of forward tensors (inputs, weights)."""
+        return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
 
     @property
     def backward_dtype(self) -> torch.dtype:
+        """The FP8 dtype of backward tensors (output gradients)."""
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
     @property
     def forward_max(self) -> float:
+        """Largest finite forward value (TransformerEngine's `max_fwd`)."""
         return fp8_max(self.forward_dtype)
 
     @property
     def backward_max(self) -> float:
+        """Largest finite backward value (TransformerEngine's `max_bwd`)."""
         return fp8_max(self.backward_dtype)
 
 
@@ -43,68 +70,224 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class MMParams:
+    """Options of one FP8 GEMM, as TransformerEngine names them.
+
+    `use_split_accumulator=False` is cuBLAS's fast accumulation (partial sums kept in the tensor cores'
+    reduced precision for a while); True accumulates in full float32. Our GEMMs use fast accumulation for
+    the forward GEMM and full accumulation for both backward GEMMs, which are TransformerEngine's defaults;
+    recipes refuse other settings.
+    """
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_split_accumulator, bool):
+            raise ValueError(f"use_split_accumulator={self.use_split_accumulator!r} must be a bool")
+
+
+_FPROP_MM, _GRAD_MM = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
+
+
+class Recipe:
+    """Base of the FP8 recipes. The class predicates say which kind a recipe is (TransformerEngine's
+    `recipe.delayed()`, `recipe.float8_current_scaling()`, ...); only per-tensor scaling exists here."""
+
+    @classmethod
+    def delayed(cls) -> bool:
+        """Delayed scaling (scales from an amax history)."""
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        """Per-tensor current scaling (scales from the tensor being cast)."""
+        return issubclass(cls, CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        """One scale per tensor (delayed or current)."""
+        return issubclass(cls, (DelayedScaling, CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        """Block-scaled FP8 (not implemented here: always False)."""
+        return False
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        """MXFP8 (not implemented here: always False)."""
+        return False
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        """NVFP4 (not implemented here: always False)."""
+        return False
+
+    @classmethod
+    def custom(cls) -> bool:
+        """A custom quantizer recipe (not implemented here: always False)."""
+        return False
+
+
+def _check_format(fmt: Any) -> None:
+    if fmt is Format.E5M2:
+        raise ValueError(
+            "fp8_format=Format.E5M2: training with E5M2 everywhere is not supported (nor in TransformerEngine); "
+            "use Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3"
+        )
+    if not isinstance(fmt, Format):
+        raise ValueError(
+            f"fp8_format={fmt!r} must be an fp8_parallel.recipe.Format (E4M3 or HYBRID); "
+            "a TransformerEngine Format is not accepted: import recipes from fp8_parallel.recipe"
+        )
+
+
+def _check_common(recipe: Any) -> None:
+    """The TransformerEngine fields both recipes share: FP8 attention and the backward override."""
+    for name in ("fp8_dpa", "fp8_mha"):
+        value = getattr(recipe, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a bool")
+        if value:
+            raise NotImplementedError(
+                f"{name}=True: FP8 attention is not implemented; attention runs in high precision and only the "
+                f"linear layers run in FP8. Leave {name}=False."
+            )
+    if recipe.backward_override is not None:
+        raise NotImplementedError(
+            f"backward_override={recipe.backward_override!r} is not supported: the backward GEMMs run in FP8 "
+            "from the forward's FP8 operands. Leave it None (megatron's fp8_wgrad=False, on the parallel linears, "
+            "computes the weight gradient in high precision)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Recipe):
     """Delayed scaling: each tensor's scale comes from a history of past amaxes (TransformerEngine's rule).
 
     `scale = fp8_max / amax / 2**margin`, with `amax` taken from the history by `amax_compute_algo`.
     An amax that is <= 0, inf or NaN keeps the previous scale; a scale that overflows becomes float32 max.
 
     Args:
-        margin: extra power-of-two headroom.
+        margin: extra power-of-two headroom (a non-negative integer).
         fp8_format: E4M3 or HYBRID.
         amax_history_len: how many past amaxes each tensor keeps.
         amax_compute_algo: "max", "most_recent", or a callable (see `AmaxComputeAlgo`). Part of the
             recipe's identity: two recipes that differ only here are different autocast scope keys.
+        scaling_factor_compute_algo: only None (the rule above); a custom scale rule is refused.
         reduce_amax: all-reduce (MAX) amaxes over the scope's group before updating.
+        fp8_dpa, fp8_mha: only False (no FP8 attention).
+        backward_override: only None.
     """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: AmaxComputeAlgo = "max"
+    scaling_factor_compute_algo: Optional[Callable[..., torch.Tensor]] = None
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fp8_format, Format):
-            raise ValueError(f"fp8_format={self.fp8_format!r} must be a Format (E4M3 or HYBRID)")
-        if not isinstance(self.margin, int) or self.margin < 0:
+        _check_format(self.fp8_format)
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin={self.margin!r} must be a non-negative integer")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len={self.amax_history_len!r} must be a positive integer")
         algo = self.amax_compute_algo
         if not callable(algo) and algo not in _ALGOS:
             raise ValueError(f"amax_compute_algo={algo!r} must be one of {_ALGOS} or a callable")
-
-    @property
-    def delayed(self) -> bool:
-        return True
+        if self.scaling_factor_compute_algo is not None:
+            raise NotImplementedError(
+                f"scaling_factor_compute_algo={self.scaling_factor_compute_algo!r}: a custom scale rule is not "
+                "supported; scales are fp8_max / amax / 2**margin (TransformerEngine's default). Leave it None."
+            )
+        if not isinstance(self.reduce_amax, bool):
+            raise ValueError(f"reduce_amax={self.reduce_amax!r} must be a bool")
+        _check_common(self)
 
 
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(Recipe):
     """Current (just-in-time) scaling: each cast takes its scale from the tensor being cast, no history.
 
     `scale = fp8_max / max(amax, eps)`, the same as torchao.float8's tensorwise dynamic scaling. No amax is
     registered with the autocast scope: each cast needs its scale before it runs, so each rank scales from
-    its local tensor.
+    its local tensor. `Float8CurrentScaling` is the same class under TransformerEngine's name.
+
+    Args:
+        fp8_format: E4M3 or HYBRID.
+        eps: lower bound of the amax (TransformerEngine's `amax_epsilon`).
+        use_power_2_scales: only False.
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMM options, only at TransformerEngine's
+            defaults (fast accumulation forward, full float32 accumulation backward; see `MMParams`).
+        fp8_dpa, fp8_mha: only False (no FP8 attention).
+        backward_override: only None.
     """
 
     fp8_format: Format = Format.HYBRID
     eps: float = 1e-12
+    use_power_2_scales: bool = False
+    fp8_gemm_fprop: MMParams = _FPROP_MM
+    fp8_gemm_dgrad: MMParams = _GRAD_MM
+    fp8_gemm_wgrad: MMParams = _GRAD_MM
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fp8_format, Format):
-            raise ValueError(f"fp8_format={self.fp8_format!r} must be a Format (E4M3 or HYBRID)")
+        _check_format(self.fp8_format)
         if not self.eps > 0:
             raise ValueError(f"eps={self.eps!r} must be positive")
-
-    @property
-    def delayed(self) -> bool:
-        return False
+        if self.use_power_2_scales:
+            raise NotImplementedError(
+                "use_power_2_scales=True is not supported: scales are fp8_max / amax, not rounded to powers of two. "
+                "Leave it False."
+            )
+        for name, expected in (("fp8_gemm_fprop", _FPROP_MM), ("fp8_gemm_dgrad", _GRAD_MM), ("fp8_gemm_wgrad", _GRAD_MM)):
+            value = getattr(self, name)
+            if not isinstance(value, MMParams):
+                raise ValueError(f"{name}={value!r} must be an fp8_parallel.recipe.MMParams")
+            if value != expected:
+                raise NotImplementedError(
+                    f"{name}={value!r} is not supported: the forward GEMM uses fast accumulation and the backward "
+                    f"GEMMs accumulate in float32 (TransformerEngine's defaults). Use {name}={expected!r}."
+                )
+        _check_common(self)
 
     @property
     def reduce_amax(self) -> bool:
+        """Always False: current scaling has no amaxes to reduce."""
         return False
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+Float8CurrentScaling = CurrentScaling
+"""TransformerEngine's name for `CurrentScaling`."""
+
+
+class _NotImplementedRecipe(Recipe):
+    """A TransformerEngine recipe name that is not implemented here: constructing it raises."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} is not implemented in fp8_parallel: only per-tensor FP8 scaling is. "
+            "Use recipe.DelayedScaling() or recipe.Float8CurrentScaling()."
+        )
+
+
+class MXFP8BlockScaling(_NotImplementedRecipe):
+    """Not implemented (MXFP8, 32-element blocks): constructing it raises and names what to use."""
+
+
+class Float8BlockScaling(_NotImplementedRecipe):
+    """Not implemented (block-scaled FP8): constructing it raises and names what to use."""
+
+
+class NVFP4BlockScaling(_NotImplementedRecipe):
+    """Not implemented (NVFP4): constructing it raises and names what to use."""
+
+
+class CustomRecipe(_NotImplementedRecipe):
+    """Not implemented (custom quantizers): constructing it raises and names what to use."""

@@ -244,7 +244,7 @@ class autocast:
                 scope.state.close_forward(reduce=reduce)
 
 
-fp8_autocast = autocast
+# TransformerEngine's `fp8_autocast` (its keyword names) is in `te_compat.py`.
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ def test_fp8_state_stays_exact_float32_when_the_model_is_cast():
     """megatron's Float16Module calls `.bfloat16()` on the model; the FP8 histories and scales must not be
     rounded to bf16."""
     torch.manual_seed(2)
-    lin = fp.Linear(32, 32)
+    lin = fp.Linear(32, 32, device="cpu")
     with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4)):
         lin(torch.randn(8, 32) * 3.3)
     with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4)):
@@ -96,19 +96,19 @@ def test_leaf_input_is_kept_by_reference_and_recast_in_backward(recipe):
     fp8_types = (torch.float8_e4m3fn, torch.float8_e5m2)
 
     def run(leaf: bool):
-        lin = fp.Linear(64, 48)
+        lin = fp.Linear(64, 48, device="cpu")
         lin.load_state_dict(ref_state)
         base = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)) * 2.5
         x = base.clone().requires_grad_() if leaf else (base.clone().requires_grad_() * 1.0)
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
             with fp.autocast(recipe=recipe):
-                y = lin(x)[0]
+                y = lin(x)
         y.backward(torch.randn(32, 48, generator=torch.Generator().manual_seed(2)))
         fp8_input_copies = [t for t in saved if t.dtype in fp8_types and t.numel() == x.numel()]
         return y, lin.weight.grad, lin.fp8.state_dict(), fp8_input_copies, any(t is x or t.data_ptr() == x.data_ptr() for t in saved)
 
-    ref_state = fp.Linear(64, 48).state_dict()
+    ref_state = fp.Linear(64, 48, device="cpu").state_dict()
     y1, g1, s1, copies1, ref1 = run(leaf=True)
     y2, g2, s2, copies2, ref2 = run(leaf=False)
     assert not copies1 and ref1  # leaf: a reference, no FP8 copy

@@ -1,14 +1,42 @@
-"""FP8 modules with megatron-core's signatures."""
+"""FP8 modules: standalone ones with TransformerEngine's signatures (`Linear`, `LayerNormLinear`,
+`LayerNormMLP`), and tensor-parallel ones with megatron-core's signatures (`ColumnParallelLinear`,
+`RowParallelLinear`, `LayerNormColumnParallelLinear`; they import megatron-core on first access)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, List
+
 from ._core import FP8State, fp8_linear
-from .layernorm_linear import LayerNormColumnParallelLinear
+from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .te_layernorm_linear import LayerNormLinear
+
+_MEGATRON_MODULES = {
+    "ColumnParallelLinear": ".parallel_linear",
+    "RowParallelLinear": ".parallel_linear",
+    "LayerNormColumnParallelLinear": ".layernorm_linear",
+}
 
 __all__ = [
     "ColumnParallelLinear",
     "FP8State",
     "LayerNormColumnParallelLinear",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "RowParallelLinear",
     "fp8_linear",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The megatron-signature modules, imported on first access (importing megatron-core takes seconds)."""
+    if name in _MEGATRON_MODULES:
+        value = getattr(importlib.import_module(_MEGATRON_MODULES[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

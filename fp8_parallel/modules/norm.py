@@ -1,5 +1,8 @@
-"""`Norm`: LayerNorm / RMSNorm with megatron's norm signature, usable with sequence parallelism."""
+"""`Norm`: LayerNorm / RMSNorm with megatron's norm signature, usable with sequence parallelism; and the
+normalization function and parameters the standalone TransformerEngine-style modules use."""
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,40 @@ class Norm(torch.nn.Module):
                 setattr(p, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "RMSNorm":
-            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-        return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+        return normalize(x, self.kind, self.weight, self.bias, self.eps)
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(owner: str, normalization: str) -> None:
+    """A clear error for a normalization other than "LayerNorm" / "RMSNorm"."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"{owner}(normalization={normalization!r}): expected 'LayerNorm' or 'RMSNorm'")
+
+
+def normalize(
+    x: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    zero_centered_gamma: bool = False,
+) -> torch.Tensor:
+    """LayerNorm (`weight`, `bias`) or RMSNorm (`weight`) over the last dim, in `x`'s dtype.
+
+    `zero_centered_gamma`: the gain is `1 + weight` (TransformerEngine's option; the weight starts at 0)."""
+    gain = (weight + 1 if zero_centered_gamma else weight).to(x.dtype)
+    if normalization == "RMSNorm":
+        return F.rms_norm(x, (x.shape[-1],), gain, eps)
+    return F.layer_norm(x, (x.shape[-1],), gain, None if bias is None else bias.to(x.dtype), eps)
+
+
+def make_norm_parameters(
+    hidden_size: int, normalization: str, zero_centered_gamma: bool, dtype: torch.dtype, device: torch.device
+) -> Tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
+    """`(layer_norm_weight, layer_norm_bias or None)`: gain 1 (0 when zero-centered), bias 0, no bias for
+    RMSNorm."""
+    weight = torch.nn.Parameter(torch.full((hidden_size,), 0.0 if zero_centered_gamma else 1.0, dtype=dtype, device=device))
+    bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if normalization == "LayerNorm" else None
+    return weight, bias

@@ -67,7 +67,7 @@ def _run_tp(fc1, fc2, x_full, sp, recipe, is_first=None):
 def _run_ref(l1, l2, x_full, recipe):
     x = x_full.detach().clone().requires_grad_()
     with fp.autocast(recipe=recipe, group=None):
-        y = l2(torch.nn.functional.gelu(l1(x)[0]))[0]
+        y = l2(torch.nn.functional.gelu(l1(x)))
     (y.float() ** 2).sum().backward()
     return y, x.grad
 
@@ -260,7 +260,7 @@ def check_state_dict_round_trip_and_tp2_to_tp1():
         with ps.cpu_compat(), fp.autocast(recipe=recipe, group=ps.dense_amax_group()):
             y = fc2(torch.nn.functional.gelu(fc1(x)[0]))[0]
         with fp.autocast(recipe=recipe, group=None):
-            yr = l2(torch.nn.functional.gelu(l1(x)[0]))[0]
+            yr = l2(torch.nn.functional.gelu(l1(x)))
     torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
 
 
@@ -477,8 +477,8 @@ def check_ep2_moe_matches_unsharded_experts(grouped: bool):
               rows = routing_map[:, e].nonzero().squeeze(1)
               if rows.numel():
                   # megatron's experts scale the activation by the routing prob before fc2
-                  h = cfg.activation_func(l1(xr[rows])[0]) * probs[rows, e : e + 1]
-                  ref_out = ref_out.index_add(0, rows, l2(h)[0])
+                  h = cfg.activation_func(l1(xr[rows])) * probs[rows, e : e + 1]
+                  ref_out = ref_out.index_add(0, rows, l2(h))
       with ps.cpu_compat():  # the router's backward is megatron code too
           ref_out.float().pow(2).sum().backward()
       _assert_rel(out.reshape(-1, hidden).detach(), ref_out.detach(), 1e-4, "MoE output")

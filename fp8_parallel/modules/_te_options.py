@@ -1,0 +1,138 @@
+"""What the TransformerEngine-style standalone modules share: device and dtype defaults, weight
+initialization, and the TransformerEngine constructor options they accept only at their defaults.
+
+A TransformerEngine option that selects behaviour these single-rank modules do not have (tensor parallelism,
+userbuffers overlap, fused main_grad accumulation, ...) is accepted at its default value and refused, with the
+reason and what to use instead, at any other. Options TransformerEngine itself ignores in a case (sequence
+parallelism at tensor-parallel size 1, JIT warm-up sizes, the userbuffers name) are accepted and ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+_PARALLEL_LINEARS = (
+    "fp8_parallel.ColumnParallelLinear / RowParallelLinear / LayerNormColumnParallelLinear (megatron-core "
+    "signatures, tensor-parallel groups from parallel_state)"
+)
+
+# option -> (default, why another value is refused); None as the reason: any value is accepted and ignored
+_OPTIONS: Dict[str, tuple] = {
+    "sequence_parallel": (False, None),  # without tensor parallelism TransformerEngine ignores it too
+    "ub_name": (None, None),
+    "seq_length": (None, None),  # JIT warm-up hints
+    "micro_batch_size": (None, None),
+    "fuse_wgrad_accumulation": (False, "gradients are written to .grad; accumulation into a main_grad buffer "
+                                       "is not implemented"),
+    "parameters_split": (None, "each weight is one parameter; split the output after the module instead"),
+    "delay_wgrad_compute": (False, "the weight gradient is computed in the module's own backward"),
+    "symmetric_ar_type": (None, "these modules run no all-reduce (no tensor parallelism)"),
+    "save_original_input": (False, "what backward keeps is chosen by the FP8 linear itself (a leaf input is "
+                                   "kept by reference, otherwise the 1-byte FP8 transpose)"),
+    "activation_params": (None, "only activations without parameters are implemented (no clamped_swiglu)"),
+    "checkpoint": (False, "selective recompute inside the module is not implemented; wrap the module in "
+                          "torch.utils.checkpoint instead"),
+    "return_layernorm_output_gathered": (False, None),  # the same as return_layernorm_output without TP
+}
+for _ub in ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"):
+    _OPTIONS[_ub] = (False, "userbuffers communication/GEMM overlap is not implemented (it needs tensor parallelism)")
+
+_TP_OPTIONS = ("tp_group", "tp_size", "parallel_mode", "set_parallel_mode")
+
+
+def check_te_options(owner: str, allowed: Iterable[str], options: Dict[str, Any]) -> None:
+    """Validate TransformerEngine constructor options of `owner` (a class name).
+
+    Args:
+        allowed: the option names `owner`'s TransformerEngine counterpart has (others are a TypeError,
+            like any unexpected keyword argument).
+        options: the options the caller passed.
+
+    Raises:
+        TypeError: an option `owner` does not have.
+        NotImplementedError: an option at a value these modules do not implement.
+    """
+    allowed = set(allowed)
+    for name in options:
+        if name not in allowed:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
+    _check_tensor_parallel(owner, options)
+    for name, value in options.items():
+        if name in _TP_OPTIONS:
+            continue
+        default, why = _OPTIONS[name]
+        if why is not None and value != default:
+            raise NotImplementedError(f"{owner}({name}={value!r}): {why}. Leave {name}={default!r}.")
+
+
+def _check_tensor_parallel(owner: str, options: Dict[str, Any]) -> None:
+    group = options.get("tp_group")
+    size = dist.get_world_size(group) if group is not None else options.get("tp_size", 1)
+    mode = options.get("parallel_mode")
+    if mode not in (None, "column", "row"):
+        raise ValueError(f"{owner}(parallel_mode={mode!r}): expected None, 'column' or 'row'")
+    if size != 1:
+        raise NotImplementedError(
+            f"{owner}: tensor-parallel size {size} (tp_group/tp_size) is not supported by this single-rank "
+            f"module; use {_PARALLEL_LINEARS}"
+        )
+
+
+def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+    """The parameters' device: None means CUDA when available, else the CPU; an explicit device is kept."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(owner: str, params_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The parameters' dtype: None means `torch.get_default_dtype()`; float32, float16 or bfloat16 (FP8
+    casts happen inside the autocast scope)."""
+    dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{owner}(params_dtype={params_dtype!r}): expected float32, float16 or bfloat16 (or None)")
+    return dtype
+
+
+def default_init_method(weight: torch.Tensor) -> None:
+    """TransformerEngine's default weight initialization: normal with mean 0 and std 0.023."""
+    torch.nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+def init_weight(
+    weight: torch.Tensor,
+    init_method: Optional[Callable[[torch.Tensor], Any]],
+    get_rng_state_tracker: Optional[Callable[[], Any]] = None,
+    rng_tracker_name: Optional[str] = None,
+) -> None:
+    """`init_method(weight)` (default: `default_init_method`), inside the RNG tracker's fork when a tracker
+    is given (megatron's / TransformerEngine's `get_rng_state_tracker`)."""
+    init = default_init_method if init_method is None else init_method
+    with torch.no_grad():
+        if get_rng_state_tracker is None:
+            init(weight)
+            return
+        tracker = get_rng_state_tracker()
+        with tracker.fork(rng_tracker_name) if rng_tracker_name is not None else tracker.fork():
+            init(weight)
+
+
+def check_input(owner: str, inp: torch.Tensor, features: int, label: str = "in_features") -> None:
+    """A clear error for an input whose last dimension is not the module's input size (`label`)."""
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{owner}: expected a tensor input, got {type(inp).__name__}")
+    if inp.dim() == 0 or inp.shape[-1] != features:
+        raise ValueError(f"{owner}: input of shape {tuple(inp.shape)} does not end in {label}={features}")
+
+
+def check_forward_options(owner: str, fp8_output: Optional[bool], fp8_grad: Optional[bool]) -> None:
+    """TransformerEngine's `fp8_output` / `fp8_grad` forward flags: only False (outputs and input
+    gradients leave the module in high precision)."""
+    for name, value in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
+        if value:
+            raise NotImplementedError(
+                f"{owner}.forward({name}=True): outputs and gradients leave the module in high precision; "
+                f"leave {name}=False"
+            )

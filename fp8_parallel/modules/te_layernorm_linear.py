@@ -1,0 +1,104 @@
+"""`LayerNormLinear`: a norm followed by a standalone FP8 linear, with TransformerEngine's signature.
+
+Single-rank, like `Linear`: no megatron config, no parallel set-up. The norm runs in high precision; the
+linear runs in FP8 inside an enabled autocast scope. The tensor-parallel form with megatron's signature is
+`LayerNormColumnParallelLinear`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple, Union
+
+import torch
+
+from ._core import FP8State, fp8_linear
+from ._te_options import check_forward_options, check_input, check_te_options, init_weight, resolve_device, resolve_dtype
+from .norm import check_normalization, make_norm_parameters, normalize
+
+_LAYERNORM_LINEAR_OPTIONS = (
+    "sequence_parallel", "fuse_wgrad_accumulation", "tp_group", "tp_size", "parallel_mode",
+    "return_layernorm_output_gathered", "parameters_split", "ub_overlap_ag", "ub_overlap_rs",
+    "ub_overlap_rs_dgrad", "ub_bulk_wgrad", "ub_bulk_dgrad", "ub_name", "delay_wgrad_compute", "symmetric_ar_type",
+)
+
+
+class LayerNormLinear(torch.nn.Module):
+    """`normalization(x) @ weight.T + bias`, TransformerEngine's `LayerNormLinear` at tensor-parallel size 1.
+
+    Args:
+        in_features, out_features: sizes.
+        eps: the norm's epsilon.
+        bias: learn an additive bias for the linear (initialized to zero).
+        normalization: "LayerNorm" (gain and bias) or "RMSNorm" (gain only).
+        zero_centered_gamma: the norm's gain is `1 + layer_norm_weight`, with the weight starting at 0.
+        return_layernorm_output: also return the norm's output.
+        return_bias: do not add the linear's bias; return it.
+        init_method, params_dtype, device, get_rng_state_tracker, name: as for `Linear`.
+        **te_options: TransformerEngine's other options, accepted at their defaults (see `Linear`).
+
+    Parameters: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), `weight`, `bias`.
+
+    Forward: `forward(inp, is_first_microbatch=None)` returns `out`, `(out, bias)`, `(out, ln_out)` or
+    `(out, bias, ln_out)`, as TransformerEngine does.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        *,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        return_layernorm_output: bool = False,
+        return_bias: bool = False,
+        init_method: Optional[Callable[[torch.Tensor], Any]] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        get_rng_state_tracker: Optional[Callable[[], Any]] = None,
+        name: Optional[str] = None,
+        **te_options: Any,
+    ):
+        super().__init__()
+        check_te_options("LayerNormLinear", _LAYERNORM_LINEAR_OPTIONS, te_options)
+        check_normalization("LayerNormLinear", normalization)
+        for label, size in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"LayerNormLinear({label}={size!r}): expected a positive integer")
+        if not eps > 0:
+            raise ValueError(f"LayerNormLinear(eps={eps!r}): expected a positive number")
+        dtype, device = resolve_dtype("LayerNormLinear", params_dtype), resolve_device(device)
+        self.in_features, self.out_features = in_features, out_features
+        self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
+        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
+        self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
+            in_features, normalization, zero_centered_gamma, dtype, device
+        )
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        init_weight(self.weight, init_method, get_rng_state_tracker)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.fp8 = FP8State(name or f"LayerNormLinear({in_features},{out_features})", device=device)
+
+    def forward(
+        self,
+        inp: torch.Tensor,
+        is_first_microbatch: Optional[bool] = None,
+        fp8_output: Optional[bool] = False,
+        fp8_grad: Optional[bool] = False,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """Norm, then the FP8 linear; `fp8_output` / `fp8_grad` (TransformerEngine's) must stay False."""
+        check_forward_options("LayerNormLinear", fp8_output, fp8_grad)
+        check_input("LayerNormLinear", inp, self.in_features)
+        ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                           self.zero_centered_gamma)
+        out = fp8_linear(ln_out, self.weight, None if self.return_bias else self.bias, self.fp8, is_first_microbatch)
+        extra = []
+        if self.return_bias:
+            extra.append(None if self.bias is None else self.bias.to(out.dtype))
+        if self.return_layernorm_output:
+            extra.append(ln_out)
+        return (out, *extra) if extra else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"normalization={self.normalization}")

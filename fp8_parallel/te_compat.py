@@ -1,0 +1,138 @@
+"""TransformerEngine's entry points under their names: `fp8_autocast` and `is_fp8_available`.
+
+`fp8_parallel.autocast(enabled, recipe, group)` is the native scope; `fp8_autocast` takes TransformerEngine's
+keyword names and returns one. See `docs/` for the mapping of every TransformerEngine name.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .recipe import Recipe
+from .scopes import autocast
+
+__all__ = ["FP8Availability", "fp8_autocast", "is_fp8_available"]
+
+TE_NAMES_NOT_PROVIDED = {
+    "fp8_model_init": "FP8 parameters are not implemented; parameters stay in params_dtype and their FP8 cast "
+                      "is cached per step with forward(..., is_first_microbatch=True/False)",
+    "quantized_model_init": "FP8 parameters are not implemented; parameters stay in params_dtype and their FP8 "
+                            "cast is cached per step with forward(..., is_first_microbatch=True/False)",
+    "TransformerLayer": "build megatron's TransformerLayer / GPTModel with fp8_parallel.megatron.get_gpt_layer_spec()",
+    "MultiheadAttention": "attention comes from megatron's layer spec (fp8_parallel.megatron.get_gpt_layer_spec())",
+    "DotProductAttention": "attention runs in high precision; use megatron's DotProductAttention or torch's "
+                           "scaled_dot_product_attention",
+    "LayerNorm": "norms run in high precision: use torch.nn.LayerNorm, or LayerNormLinear / LayerNormMLP",
+    "RMSNorm": "norms run in high precision: use torch.nn.RMSNorm, or LayerNormLinear / LayerNormMLP",
+    "GroupedLinear": "fp8_parallel.modules.grouped.GroupedLinear has megatron's signature (num_gemms, input_size, "
+                     "output_size, partition=, config=, init_method=)",
+    "checkpoint": "use torch.utils.checkpoint.checkpoint or megatron's tensor_parallel.checkpoint; FP8 modules "
+                  "recognise the recompute and reuse the first pass's scales",
+    "is_mxfp8_available": "only per-tensor FP8 scaling is implemented (see is_fp8_available)",
+    "is_fp8_block_scaling_available": "only per-tensor FP8 scaling is implemented (see is_fp8_available)",
+    "is_nvfp4_available": "only per-tensor FP8 scaling is implemented (see is_fp8_available)",
+}
+"""TransformerEngine names this package does not provide, with what to use instead (the AttributeError that
+`fp8_parallel.<name>` raises says it)."""
+
+
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe: Optional[Recipe] = None,
+    fp8_group: Optional[dist.ProcessGroup] = None,
+) -> autocast:
+    """TransformerEngine's `fp8_autocast`: `autocast(enabled=enabled, recipe=fp8_recipe, group=fp8_group)`.
+
+    Unlike TransformerEngine, `enabled=True` also works without an FP8-capable GPU (see `is_fp8_available`).
+
+    Args:
+        enabled: run the FP8 modules inside in FP8 (False or None: high precision).
+        calibrating: only False. TransformerEngine's calibration mode (record amaxes while computing in
+            high precision) is not implemented.
+        fp8_recipe: `recipe.DelayedScaling` (default) or `recipe.Float8CurrentScaling`, from
+            `fp8_parallel.recipe`.
+        fp8_group: the amax reduction group. None: the dense amax domain of `parallel_state` when it is
+            initialized, else the world group when torch.distributed is initialized (TransformerEngine: the
+            world group).
+
+    Raises:
+        NotImplementedError: `calibrating=True`.
+        TypeError: a recipe that is not one of ours (e.g. TransformerEngine's own), a recipe passed as the
+            first positional argument (that is `enabled`), or a group that is not a ProcessGroup.
+    """
+    if isinstance(enabled, Recipe):
+        raise TypeError(
+            f"fp8_autocast(enabled={enabled!r}): the first positional argument is `enabled`; pass the recipe "
+            "as fp8_recipe=..."
+        )
+    if enabled is not None and not isinstance(enabled, (bool, int)):
+        raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected a bool")
+    if calibrating:
+        raise NotImplementedError(
+            "fp8_autocast(calibrating=True) is not supported: fp8_parallel has no calibration mode (amaxes "
+            "recorded while computing in high precision). Use enabled=False for high precision, or "
+            "enabled=True to compute in FP8 (amaxes are recorded then)."
+        )
+    if fp8_recipe is not None and not isinstance(fp8_recipe, Recipe):
+        raise TypeError(
+            f"fp8_autocast(fp8_recipe={fp8_recipe!r}): expected a recipe from fp8_parallel.recipe "
+            "(DelayedScaling or Float8CurrentScaling); TransformerEngine's recipe objects are not accepted"
+        )
+    if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
+        raise TypeError(f"fp8_autocast(fp8_group={fp8_group!r}): expected a torch.distributed ProcessGroup or None")
+    return autocast(enabled=bool(enabled), recipe=fp8_recipe, group=fp8_group)
+
+
+class FP8Availability(NamedTuple):
+    """`(available, reason)`. Its truth value is `available`, so both `ok, reason = is_fp8_available()` and
+    `if is_fp8_available():` read as TransformerEngine's do."""
+
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+_CPU_PATH = (
+    "without one, fp8_parallel runs its FP8 path on the CPU as an emulation (the same FP8 casts, scales, amax "
+    "histories and reductions; torch._scaled_mm on the CPU, float32 accumulation): correct for testing, not fast"
+)
+
+
+def is_fp8_available(return_reason: bool = True) -> FP8Availability:
+    """Whether this machine's GPU runs FP8 GEMMs, and if not, why (TransformerEngine's rule).
+
+    FP8 needs an NVIDIA GPU of compute capability 8.9 or higher (Ada, Hopper and newer) and, on Ada (8.9),
+    CUDA 12.1 or newer. Checks the current CUDA device.
+
+    Args:
+        return_reason: accepted for TransformerEngine compatibility; the result is always the pair, whose
+            truth value is the availability.
+
+    Returns:
+        `FP8Availability(available, reason)`; `reason` is "" when available.
+    """
+    del return_reason
+    if torch.version.hip is not None:
+        return FP8Availability(False, f"ROCm build of torch {torch.__version__}: FP8 here targets NVIDIA GPUs "
+                                      f"(float8_e4m3fn / float8_e5m2); {_CPU_PATH}")
+    if torch.version.cuda is None:
+        return FP8Availability(False, f"torch {torch.__version__} is a CPU build (no CUDA): FP8 GEMMs need an "
+                                      f"NVIDIA GPU of compute capability 8.9 or higher; {_CPU_PATH}")
+    if not torch.cuda.is_available():
+        return FP8Availability(False, f"no CUDA device is visible: FP8 GEMMs need an NVIDIA GPU of compute "
+                                      f"capability 8.9 or higher; {_CPU_PATH}")
+    device = torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if capability < (8, 9):
+        return FP8Availability(False, f"device compute capability 8.9 or higher required for FP8 execution "
+                                      f"({name} has {capability[0]}.{capability[1]}); {_CPU_PATH}")
+    if capability < (9, 0) and tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 1):
+        return FP8Availability(False, f"CUDA 12.1 or newer required for FP8 execution on Ada ({name}; torch "
+                                      f"built with CUDA {torch.version.cuda})")
+    return FP8Availability(True, "")

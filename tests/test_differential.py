@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8_parallel as fp
 from differential_common import HP_TOL, assert_within, errors, fails_within, weight_scale_inv_off
+from launcher import launch
 
 RECIPES = {"delayed": lambda: fp.DelayedScaling(amax_history_len=4), "current": lambda: fp.CurrentScaling()}
 SIZES = {"aligned": (64, 128, 32), "unaligned": (30, 50, 21)}  # in, out, tokens
@@ -188,3 +189,38 @@ def test_negative_controls_fail_the_same_comparison(recipe_name):
                 xb = x.detach().clone().requires_grad_()
                 bad = _step(lin, xb, dy, recipe, "plain")
             assert fails_within(bad, ref), f"scale_inv x{factor} passed the comparison: {errors(bad, ref)}"
+
+
+def test_loaded_state_records_the_recipe_it_runs_with():
+    """A state dict loaded into a module that already ran (here: its own state from before its first step)
+    must not leave a stale `recipe` record: the next step records the recipe again. (Found by the block
+    checkpoint differential check: the FP8 state after a reload differed from the plain run's.)"""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    lin = _linear(30, 50, torch.float32, gen)
+    fresh = {k: v.clone() for k, v in lin.state_dict().items()}
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    x, dy = _make_input(gen, 21, 30, "plain", torch.float32), torch.randn(21, 50, generator=gen)
+    _step(lin, x, dy, recipe, "plain")
+    recorded = lin.fp8.recipe.clone()
+    assert recorded.any()
+    lin.load_state_dict(fresh)
+    _step(lin, x.detach().clone().requires_grad_(), dy, recipe, "plain")
+    assert torch.equal(lin.fp8.recipe, recorded), (lin.fp8.recipe, recorded)
+
+
+# ---- multi-rank (gloo) -------------------------------------------------------------------------------------
+
+LAYER_CHECKS = ["grouped_empty_experts_delayed", "grouped_empty_experts_current",
+                "block_fp8_vs_high_precision", "block_recompute_full", "block_recompute_selective",
+                "block_torch_checkpoint", "block_frozen_and_no_grad"]
+
+
+def test_tensor_parallel_linears_tp1_tp2_tp4():
+    from differential_checks import tp_check_names
+
+    launch("differential_checks.py", 4, ["tp"], timeout=900, expect_checks=tp_check_names())
+
+
+def test_grouped_experts_and_transformer_block():
+    launch("differential_checks.py", 2, ["layer"], timeout=900, expect_checks=LAYER_CHECKS)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,10 @@ class FP8State(torch.nn.Module):
             self.bwd.ensure_history_len(recipe.amax_history_len)
         self.recipe.copy_(recipe_as_tensor(recipe))
         self._prepared_for = recipe
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._prepared_for = None  # the loaded `recipe` record and history lengths are re-checked on next use
 
 
 @dataclasses.dataclass

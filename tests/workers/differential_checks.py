@@ -72,7 +72,8 @@ def _same_over(group, t: torch.Tensor, what: str) -> None:
 def _config(hidden: int, ffn: int, sp: bool, dtype=torch.float32, ln: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=ps.get_size("tp"),
+    heads = ps.get_size("tp")  # (unused by the linears; megatron wants a multiple of TP)
+    return TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
                              use_cpu_initialization=True, tensor_model_parallel_size=ps.get_size("tp"),
                              sequence_parallel=sp, params_dtype=dtype, normalization="LayerNorm")
 
@@ -239,7 +240,8 @@ def _negative_control(bug):
             assert not fails_within(good, ref, grad_tol=CHAIN_GRAD_TOL), errors(good, ref)
         with bug():
             bad = mlp.run(x, dy, recipe)
-        assert fails_within(bad, ref, grad_tol=CHAIN_GRAD_TOL), f"rank {dist.get_rank()}: the deliberate bug passed: {errors(bad, ref)}"
+        assert fails_within(bad, ref, grad_tol=CHAIN_GRAD_TOL), \
+            f"rank {dist.get_rank()}: the deliberate bug passed: {errors(bad, ref)}"
         print(f"rank {dist.get_rank()} negative control caught: {errors(bad, ref)}", flush=True)
     return check
 

@@ -19,6 +19,8 @@ MODULES = [
     "fp8_parallel",
     "fp8_parallel.recipe",
     "fp8_parallel.megatron",
+    "fp8_parallel.megatron_lm",
+    "fp8_parallel.graphs",
     "fp8_parallel.pipeline",
     "parallel_state",
 ]

@@ -5,7 +5,8 @@ scope take amax slots from the innermost enabled scope's key state (forward: inp
 grad_output) and write into them; they never talk to process groups. Per key and direction the slots form
 one buffer that costs one all-reduce(MAX) and one batched history/scale update (see `AmaxTable`):
 
-* forward: when the scope that opened the key exits, after a training forward (grad enabled, or a reentrant
+* forward: when the outermost scope that holds the key exits (keys opened inside another scope belong to the
+  outermost one, so sibling scopes with one key share it), after a training forward (grad enabled, or a reentrant
   checkpoint's first pass; not a recompute, not while a CUDA graph is captured);
 * backward: in the same iteration, as soon as every FP8 module call of the scope has run its backward. The
   key state counts the calls whose backward will really run (autograd made a node: the output requires
@@ -161,6 +162,10 @@ class _Scope:
     owns_state: bool
     training: bool  # a training forward: grad enabled, or the first pass of a reentrant checkpoint
     recorder: Optional[Recorder] = None
+    # keys opened by nested scopes of another (recipe, group) while this outermost owning scope is open:
+    # siblings with the same key share them, and they are closed when this scope exits (e.g. the expert
+    # scope of every MoE layer of one pass: one key, one collective per direction, not one per layer)
+    companions: List["_Scope"] = dataclasses.field(default_factory=list)
 
 
 _SCOPE_STACK: List[_Scope] = []  # the one global: the stack of open autocast scopes
@@ -187,6 +192,22 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _owned_or_companion_scope(recipe: Recipe, group: Optional[dist.ProcessGroup], training: bool) -> _Scope:
+    """A scope with a new key. Inside an outermost owning scope the key belongs to that scope (shared by later
+    scopes with the same key within it, closed when it exits); otherwise this scope owns and closes it."""
+    anchor = next((s for s in _SCOPE_STACK if s.owns_state and s.recorder is None), None)
+    if anchor is not None:
+        for c in anchor.companions:
+            if c.recipe == recipe and c.group is group and c.training == training:
+                return _Scope(True, recipe, group, c.state, False, training)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    state = KeyState(recipe, group, device)
+    if anchor is None:
+        return _Scope(True, recipe, group, state, True, training)
+    anchor.companions.append(_Scope(True, recipe, group, state, False, training))
+    return _Scope(True, recipe, group, state, False, training)
+
+
 class autocast:
     """Run FP8 modules inside this block in FP8 with `recipe`, reducing amaxes over `group`.
 
@@ -196,8 +217,11 @@ class autocast:
         group: amax reduction group. Default: the dense amax domain of `parallel_state` when initialized,
             else the world group when torch.distributed is initialized, else no reduction.
 
-    Scopes nest to any depth; each enabled scope has its own recipe and group, and the same (recipe, group)
-    opened inside itself shares one key. An instance can be entered only once at a time.
+    Scopes nest to any depth; each enabled scope has its own recipe and group. Within one outermost scope, all
+    scopes with the same (recipe, group) share one key: nested in each other or side by side (e.g. the expert
+    scopes of all MoE layers of a pass), so each key costs one collective per direction. A key's forward
+    amaxes are reduced when the outermost scope exits (TransformerEngine's rule); a key opened outside any
+    other scope is reduced when its own scope exits. An instance can be entered only once at a time.
     """
 
     def __init__(self, enabled: bool = True, recipe: Optional[Recipe] = None, group: Optional[dist.ProcessGroup] = None):
@@ -227,8 +251,7 @@ class autocast:
                 scope = _Scope(True, self.recipe, group, recorder.key(self.recipe, group, caller=False), False,
                                grad, recorder)
             else:
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-                scope = _Scope(True, self.recipe, group, KeyState(self.recipe, group, device), True, grad)
+                scope = _owned_or_companion_scope(self.recipe, group, grad)
         _SCOPE_STACK.append(scope)
         self._scope = scope
         return self
@@ -240,8 +263,9 @@ class autocast:
             assert popped is scope, "fp8_parallel.autocast scopes exited out of order"
         finally:
             if scope.owns_state and exc_type is None:
-                reduce = scope.training and not _capturing()
-                scope.state.close_forward(reduce=reduce)
+                capturing = _capturing()
+                for closing in (scope, *scope.companions):
+                    closing.state.close_forward(reduce=closing.training and not capturing)
 
 
 # TransformerEngine's `fp8_autocast` (its keyword names) is in `te_compat.py`.

@@ -139,6 +139,7 @@ def _build_expert_amax_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
 
 
 def is_initialized() -> bool:
+    """Whether `initialize()` has run (and `destroy()` has not) in this process."""
     return _EXTRAS is not None
 
 

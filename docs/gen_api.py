@@ -53,6 +53,14 @@ def _kind(obj) -> str:
     return "constant"
 
 
+def _constant(name: str, obj) -> str:
+    """A short, run-independent description of a module-level value."""
+    text = repr(obj)
+    if len(text) <= 80 and " at 0x" not in text:
+        return f"constant `{name} = {text}`"
+    return f"constant `{name}` (a `{type(obj).__name__}`)"
+
+
 def _doc(obj, owner_doc: str) -> str:
     if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismodule(obj):
         return inspect.getdoc(obj) or ""
@@ -73,7 +81,7 @@ def collect() -> Tuple[str, List[str]]:
                 missing.append(f"{mod_name}.{name}")
             sig = _signature(obj) if _kind(obj) in ("class", "function") else ""
             title = f"### `{mod_name}.{name}`"
-            body = f"{_kind(obj)} `{name}{sig}`" if sig or _kind(obj) != "constant" else f"constant `{name} = {obj!r}`"
+            body = f"{_kind(obj)} `{name}{sig}`" if sig or _kind(obj) != "constant" else _constant(name, obj)
             parts.append(f"{title}\n\n{body}\n\n{doc.strip()}\n")
     return "\n".join(parts).rstrip() + "\n", missing
 

@@ -136,3 +136,17 @@ def check_forward_options(owner: str, fp8_output: Optional[bool], fp8_grad: Opti
                 f"{owner}.forward({name}=True): outputs and gradients leave the module in high precision; "
                 f"leave {name}=False"
             )
+
+
+def add_linear_parameters(module: torch.nn.Module, in_features: int, out_features: int, bias: bool,
+                          dtype: torch.dtype, device: torch.device, init_method: Optional[Callable],
+                          get_rng_state_tracker: Optional[Callable], tag: str,
+                          rng_tracker_name: Optional[str] = None) -> None:
+    """Give `module` TransformerEngine's linear parameters (`weight`, optional zero `bias`) and its FP8 state
+    (`fp8`, tagged `tag`)."""
+    from ._core import FP8State
+
+    module.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+    init_weight(module.weight, init_method, get_rng_state_tracker, rng_tracker_name)
+    module.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+    module.fp8 = FP8State(tag, device=device)

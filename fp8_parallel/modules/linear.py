@@ -10,8 +10,10 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from ._core import FP8State, fp8_linear
-from ._te_options import check_forward_options, check_input, check_te_options, init_weight, resolve_device, resolve_dtype
+from ._core import fp8_linear
+from ._te_options import (
+    add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
+)
 
 _LINEAR_OPTIONS = (
     "sequence_parallel", "fuse_wgrad_accumulation", "tp_group", "tp_size", "parallel_mode", "parameters_split",
@@ -65,10 +67,9 @@ class Linear(torch.nn.Module):
         dtype, device = resolve_dtype("Linear", params_dtype), resolve_device(device)
         self.in_features, self.out_features = in_features, out_features
         self.return_bias = return_bias
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        init_weight(self.weight, init_method, get_rng_state_tracker, rng_tracker_name)
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        self.fp8 = FP8State(name or f"Linear({in_features},{out_features})", device=device)
+        add_linear_parameters(self, in_features, out_features, bias, dtype, device, init_method,
+                              get_rng_state_tracker, name or f"Linear({in_features},{out_features})",
+                              rng_tracker_name)
 
     def forward(
         self,

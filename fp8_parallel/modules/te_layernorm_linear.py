@@ -10,8 +10,10 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from ._core import FP8State, fp8_linear
-from ._te_options import check_forward_options, check_input, check_te_options, init_weight, resolve_device, resolve_dtype
+from ._core import fp8_linear
+from ._te_options import (
+    add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
+)
 from .norm import check_normalization, make_norm_parameters, normalize
 
 _LAYERNORM_LINEAR_OPTIONS = (
@@ -74,10 +76,8 @@ class LayerNormLinear(torch.nn.Module):
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             in_features, normalization, zero_centered_gamma, dtype, device
         )
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        init_weight(self.weight, init_method, get_rng_state_tracker)
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        self.fp8 = FP8State(name or f"LayerNormLinear({in_features},{out_features})", device=device)
+        add_linear_parameters(self, in_features, out_features, bias, dtype, device, init_method,
+                              get_rng_state_tracker, name or f"LayerNormLinear({in_features},{out_features})")
 
     def forward(
         self,

@@ -192,6 +192,21 @@ def _profile(step: Callable[[], float], device: str) -> Tuple[float, Dict[str, f
     return (busy_us / 1e3 if kernels else float("nan")), by_cat, top
 
 
+def _host_profile(step: Callable[[], object], device: str, variant: str, rows: int) -> None:
+    """Where one step's host time goes: cProfile of one step, the top `rows` functions by own time."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    _sync(device)
+    prof.disable()
+    print(f"---- host profile of one step: {LABELS[variant]}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
 def _peaks(device: str) -> Tuple[float, float]:
     if device != "cuda":
         return float("nan"), float("nan")
@@ -244,6 +259,8 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     peak_alloc, peak_reserved = _peaks(device)
+    if args.host_profile:
+        _host_profile(step, device, variant, args.host_profile)
     busy, by_cat, top = _profile(step, device)
     wall = statistics.median(times)
     result = dict(variant=variant, wall_ms=wall, busy_ms=busy, tokens_s=size.tokens / (wall / 1e3),
@@ -330,6 +347,8 @@ def main(argv: List[str]) -> None:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
+                   help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]

@@ -202,3 +202,26 @@ def test_te_order_and_per_callable_fp8_replay_on_gpu():
         outs.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert [c.replay_count for c in calls] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_accumulator_on_the_default_stream_is_named_before_it_breaks_capture(side_stream):
+    """A data-parallel wrapper keeps each parameter's gradient accumulator node alive from its construction (as
+    megatron's DDP does through `param.expand_as(param)`); made on the default stream, the backward capture
+    cannot make that stream wait. The error names the cause and the fix; made on a side stream, capture works."""
+    torch.manual_seed(0)
+    lin = fp.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream()) if side_stream else torch.cuda.stream(torch.cuda.default_stream()):
+        accumulators = [p.expand_as(p).grad_fn.next_functions[0][0] for p in lin.parameters()]
+    torch.cuda.synchronize()
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if not side_stream:
+        with pytest.raises(RuntimeError, match="side stream"):
+            fp.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=fp.DelayedScaling())
+        return
+    graphed = fp.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=fp.DelayedScaling())
+    with fp.autocast(recipe=fp.DelayedScaling()):
+        y = graphed(x)
+    y.float().sum().backward()
+    assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad).all()
+    del accumulators

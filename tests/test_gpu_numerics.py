@@ -33,6 +33,35 @@ def test_triton_quantize_equals_torch(shape, fp8_dtype, with_t, hp_dtype):
                            b.transpose_2d(update_cache=False)._data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16])
+def test_cached_kernel_launches_respecialize(hp_dtype):
+    """The direct launch of cached compiled kernels: a call whose arguments specialize differently (pointer
+    alignment, a dimension of 1 or not a multiple of 16, another dtype) gets its own kernel, and every call equals
+    the torch path and the JIT entry point, bitwise."""
+    from fp8_parallel import triton_kernels
+
+    gen = _gen()
+    print(f"seed {gen.initial_seed()}")
+    base = (torch.randn(4096 + 8, device="cuda", generator=gen) * 5).to(hp_dtype)
+    cases = [base[: 64 * 64].view(64, 64), base[1 : 1 + 64 * 64].view(64, 64),  # aligned, then an offset pointer
+             base[: 48].view(1, 48), base[: 17 * 48].view(17, 48), base[3 : 3 + 40 * 30].view(40, 30)]
+    for fp8_dtype in (E4M3, E5M2):
+        for x in cases * 2:  # the second round takes the cached kernels
+            scale = torch.full((1,), 13.0, device="cuda")
+            got = [quantize(x, scale, fp8_dtype, amax_out=torch.zeros(1, device="cuda"), with_transpose=True)]
+            triton_kernels.FAST_LAUNCH = False
+            try:
+                got.append(quantize(x, scale, fp8_dtype, amax_out=torch.zeros(1, device="cuda"), with_transpose=True))
+            finally:
+                triton_kernels.FAST_LAUNCH = True
+            ref = quantize(x, scale, fp8_dtype, with_transpose=True, force_torch=True)
+            for q in got:
+                assert torch.equal(q._data.view(torch.uint8), ref._data.view(torch.uint8)), (tuple(x.shape), fp8_dtype)
+                assert torch.equal(q.transpose_2d(update_cache=False)._data.view(torch.uint8),
+                                   ref.transpose_2d(update_cache=False)._data.view(torch.uint8))
+    assert len(triton_kernels._QUANTIZE._compiled) >= 3
+
+
 def test_triton_noop_flag_and_nan_amax():
     x = torch.randn(256, 128, device="cuda", generator=_gen())
     out = quantize(x, torch.ones(1, device="cuda"), E4M3)

@@ -266,13 +266,7 @@ def _gpu_torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 
     return out
 
 
-_GRAPHS_UNDER_DDP = pytest.mark.xfail(strict=True, reason=(
-    "on H200 (2026-11-30) capturing the layers of the DDP-wrapped job fails: CUDA error 'operation would make the "
-    "legacy stream depend on a capturing blocking stream' (the same layers capture outside the job, bench_e2e)"))
-
-
 @pytest.mark.gpu
-@_GRAPHS_UNDER_DDP
 def test_gpu_default_job_one_gpu(tmp_path):
     """The no-flag run on one GPU: NCCL, bf16 with fp32 master weights, FP8, graphed layers; loss falls."""
     import torch
@@ -287,7 +281,6 @@ def test_gpu_default_job_one_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-@_GRAPHS_UNDER_DDP
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
                                      "2", "--num-layers", "4"]])

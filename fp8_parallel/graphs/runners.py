@@ -25,6 +25,14 @@ class RunOptions:
     generators: Tuple[torch.Generator, ...] = ()  # RNG states the graphs register besides torch's default one
 
 
+LEGACY_STREAM_HINT = (
+    "capturing the backward graph failed: a parameter's gradient accumulator belongs to the default (legacy) "
+    "CUDA stream, which cannot wait on a capturing stream. Its accumulator node was created on the default stream, "
+    "typically by a data-parallel wrapper that registers gradient hooks at construction (megatron's or torch's "
+    "DistributedDataParallel). Construct the wrapper on a side stream: `with torch.cuda.stream(torch.cuda.Stream()): "
+    "model = DistributedDataParallel(...)`."
+)
+
 class _Runner:
     """Forward and backward of one callable for one microbatch (the common part of graph and eager)."""
 
@@ -108,13 +116,18 @@ class _GraphRunner(_Runner):
         self.bwd_graph = torch.cuda.CUDAGraph()
         for gen in self.options.generators:
             self.bwd_graph.register_generator_state(gen)
-        with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
-            grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
-            with torch.no_grad():
-                for buf, g in zip(self.static_grads, grads):
-                    if buf is not None and g is not None:
-                        buf.copy_(g)
-            del grads
+        try:
+            with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
+                grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
+                with torch.no_grad():
+                    for buf, g in zip(self.static_grads, grads):
+                        if buf is not None and g is not None:
+                            buf.copy_(g)
+                del grads
+        except RuntimeError as err:
+            if "legacy stream" not in str(err):
+                raise
+            raise RuntimeError(LEGACY_STREAM_HINT) from err
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 
     def release(self) -> None:

@@ -3,6 +3,10 @@ master weights, bf16 parameters): the same seed, data and steps twice, FP8 off a
 
     python bench_loss_parity.py results.jsonl [--steps 300] [--nproc 1]
 
+The data is the job's generated corpus (a word-level Markov chain, spelled in bytes), generated here with enough
+documents that the run sees each token about once: the job's built-in 2000 documents would be repeated ~10
+times in 300 steps of this size, and the late losses would then measure memorisation.
+
 Records both final losses (mean of the last 10 iterations), their ratio, and the largest one-step loss rise of
 each run (a spike FP8 shows and BF16 does not); writes the loss curves of both runs to loss_parity.png beside
 the results when matplotlib is present.
@@ -46,6 +50,18 @@ def run_job(extra: List[str], steps: int, nproc: int, log: Path) -> List[float]:
     return [r["loss"] for r in rows]
 
 
+def write_corpus(prefix: Path, documents: int) -> None:
+    """The job's generated corpus with `documents` documents, as a megatron indexed dataset at `prefix`."""
+    sys.path.insert(0, str(ROOT))
+    from launch.train.corpus import generate_documents
+    from launch.train.indexed import write_indexed_dataset
+    from launch.train.tokenizer import ByteTokenizer, token_dtype
+
+    tok = ByteTokenizer()
+    write_indexed_dataset(str(prefix), (tok.tokenize(d) for d in generate_documents(documents)),
+                          dtype=token_dtype(tok.vocab_size), eod=tok.eod)
+
+
 def largest_rise(losses: List[float]) -> float:
     """The largest relative one-step rise of the loss, after the first 10% of the run."""
     start = max(1, len(losses) // 10)
@@ -57,13 +73,17 @@ def main(argv: List[str]) -> None:
     p.add_argument("out", nargs="?", default="bench_results.jsonl")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--documents", type=int, default=24000, help="generated corpus size (documents of ~230 bytes)")
     p.add_argument("--log-dir", default=None, help="keep both runs' JSON logs here (default: a temporary directory)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.log_dir or tmp).resolve()
         logs.mkdir(parents=True, exist_ok=True)
-        bf16 = run_job([], args.steps, args.nproc, logs / "bf16.jsonl")
-        fp8 = run_job(["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], args.steps, args.nproc,
+        write_corpus(Path(tmp) / "corpus", args.documents)
+        data = ["--data-path", str(Path(tmp) / "corpus"), "--data-cache-path", str(Path(tmp) / "cache"),
+                "--split", "100,0,0"]
+        bf16 = run_job(data, args.steps, args.nproc, logs / "bf16.jsonl")
+        fp8 = run_job(data + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], args.steps, args.nproc,
                       logs / "fp8.jsonl")
     final_bf16, final_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
     case = f"~1B GPT, {args.steps} steps, {args.nproc} GPU"

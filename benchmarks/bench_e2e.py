@@ -6,6 +6,12 @@ FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights an
     python bench_e2e.py results.jsonl --layers 4 --hidden 1024 --heads 8 --ffn 4096   # a smaller run
     python bench_e2e.py out.jsonl --device cpu --layers 2 --hidden 64 --heads 4 --ffn 256 --vocab 128 \
         --seq 64 --micro 2 --warmup 1 --steps 1                                       # CPU dry run
+    torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --tp 2 --sp                  # TP2 + sequence parallel
+    torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --pp 2 --vpp 2               # PP2, 2 virtual stages
+
+With model parallelism (--tp/--pp > 1) only our spec runs (FP8 off, FP8 eager, FP8 + graphs): every variant
+builds its weights from the same seed (identical across variants), and the last rank reports (tokens/s are the
+model's: one data-parallel replica) from the last rank.
 
 Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, `get_forward_backward_func` over the
 microbatches. Prints and records wall time per step (median), device-busy time (union of GPU kernel
@@ -71,13 +77,31 @@ class Size:
 
 # -- models ---------------------------------------------------------------------------------------------------
 
-def _config(size: Size, device: str, fp8: bool, dropout: float):
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    sp: bool = False
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp * self.pp > 1
+
+    def describe(self) -> str:
+        return (f" tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{f' vpp{self.vpp}' if self.vpp else ''}"
+                if self.parallel else "")
+
+
+def _config(size: Size, device: str, fp8: bool, dropout: float, layout: Layout = Layout()):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
         num_layers=size.layers, hidden_size=size.hidden, num_attention_heads=size.heads,
         ffn_hidden_size=size.ffn, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
         hidden_dropout=dropout, attention_dropout=dropout, use_cpu_initialization=device == "cpu",
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
     )
     if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
         cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = "hybrid", "delayed", 16, "max"
@@ -90,6 +114,29 @@ def _local_to_ours(name: str) -> str:
                 .replace("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias")
                 .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
                 .replace("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"))
+
+
+def _build_chunks(variant: str, size: Size, device: str, dropout: float, layout: Layout):
+    """This rank's model chunks (one per virtual stage, each a Float16Module-wrapped GPTModel) and the config,
+    under model parallelism; weights from the model-parallel seed, the same for every variant."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from fp8_parallel.megatron import get_gpt_block_spec
+
+    cfg = _config(size, device, fp8=variant.startswith("fp8"), dropout=dropout, layout=layout)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
+    chunks = []
+    for v in range(layout.vpp or 1):
+        stage = dict(vp_stage=v) if layout.vpp else {}
+        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, vp_stage=v if layout.vpp else None),
+                       vocab_size=size.vocab, max_sequence_length=size.seq,
+                       pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
+                       post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage), **stage)
+        chunks.append(Float16Module(cfg, gpt.to(device)))
+    return chunks, cfg
 
 
 def _build(variant: str, size: Size, device: str, dropout: float, weights: Optional[Dict[str, torch.Tensor]]):
@@ -220,8 +267,13 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     from fp8_parallel.megatron import fp8_context, recipe_from_config
 
     device = args.device
-    model, cfg = _build(variant, size, device, args.dropout, weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    layout = Layout(args.tp, args.pp, args.vpp, args.sp)
+    if layout.parallel:
+        model, cfg = _build_chunks(variant, size, device, args.dropout, layout)
+    else:
+        model, cfg = _build(variant, size, device, args.dropout, weights)
+    chunks = model if isinstance(model, list) else [model]
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda")
     fp8 = variant.startswith("fp8")
 
     def forward_step(data_iterator, chunk):
@@ -239,8 +291,9 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
+        data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+            forward_step_func=forward_step, data_iterator=data, model=model,
             num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs)
         opt.step()
         return losses
@@ -248,7 +301,8 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     first = step()  # the weights every variant starts from: its loss must agree across variants
-    first_loss = float(torch.stack([d["loss"] for d in first]).mean())
+    # (under pipeline parallelism only the last stage has losses)
+    first_loss = float(torch.stack([d["loss"] for d in first]).mean()) if first else float("nan")
     for _ in range(args.warmup - 1):
         step()
     times = []
@@ -286,9 +340,9 @@ def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def report(results: List[dict], size: Size) -> None:
+def report(results: List[dict], size: Size, layout: Layout = Layout()) -> None:
     by = {r["variant"]: r for r in results}
-    case = size.describe()
+    case = size.describe() + layout.describe()
     print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
           f"{'rsrv GiB':>9s} {'loss':>8s}")
     for r in results:
@@ -347,10 +401,15 @@ def main(argv: List[str]) -> None:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (with torchrun)")
+    p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (with torchrun)")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
     p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
                    help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
     args = p.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
+    layout = Layout(args.tp, args.pp, args.vpp, args.sp)
+    variants = [v for v in args.variants.split(",") if v and not (layout.parallel and v == "local")]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or args.warmup < 1 or args.steps < 1:
         p.error(f"variants {bad} (known: {VARIANTS}); warmup={args.warmup} and steps={args.steps} must be >= 1")
@@ -361,20 +420,25 @@ def main(argv: List[str]) -> None:
 
     import parallel_state as ps
 
-    ps.initialize(backend="nccl" if args.device == "cuda" else "gloo")
-    print(f"bench_e2e {size.describe()} on {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}",
-          flush=True)
+    ps.initialize(tp=args.tp, pp=args.pp, vpp=args.vpp, backend="nccl" if args.device == "cuda" else "gloo")
+    # the last rank reports: it is on the last pipeline stage, which alone has the losses
+    rank0 = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    if rank0:
+        print(f"bench_e2e {size.describe()}{layout.describe()} on "
+              f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}", flush=True)
     with ps.cpu_compat(enabled=args.device == "cpu"):
-        weights = _reference_weights(size, args)
+        weights = None if layout.parallel else _reference_weights(size, args)
         batches = _batches(size, args.device)
         results = []
         for v in variants:
             results.append(run_variant(v, size, args, weights, batches))
             r = results[-1]
-            print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms, busy {r['busy_ms']:.1f} ms, "
+            if rank0:
+                print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms, busy {r['busy_ms']:.1f} ms, "
                   f"{r['tokens_s']:.0f} tokens/s, loss {r['loss']:.4f}", flush=True)
-    report(results, size)
-    dump(args.out)
+    if rank0:
+        report(results, size, layout)
+        dump(args.out)
     ps.destroy()
 
 

@@ -11,7 +11,7 @@ FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights an
 
 With model parallelism (--tp/--pp > 1) only our spec runs (FP8 off, FP8 eager, FP8 + graphs): every variant
 builds its weights from the same seed (identical across variants), and the last rank reports (tokens/s are the
-model's: one data-parallel replica) from the last rank.
+model's: one data-parallel replica).
 
 Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, `get_forward_backward_func` over the
 microbatches. Prints and records wall time per step (median), device-busy time (union of GPU kernel

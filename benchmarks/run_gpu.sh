@@ -16,6 +16,12 @@ for b in benchmarks/bench_*.py; do
   echo "== $b"
   (cd benchmarks && timeout 600 python3 "$(basename "$b")" "$out") || status=1
 done
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  for layout in "--tp 2 --sp" "--pp 2 --vpp 2"; do
+    echo "== bench_e2e.py $layout (2 GPUs)"
+    (cd benchmarks && timeout 600 python3 -m torch.distributed.run --nproc_per_node=2 bench_e2e.py "$out" $layout) || status=1
+  done
+fi
 python3 - "$out" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

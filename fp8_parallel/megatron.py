@@ -5,10 +5,13 @@
     with fp8_context(config):                                            # one scope for the whole pass
         output = model(...)
 
-Each `FP8TransformerLayer` opens its own scope too (bf16 for the first/last layers when
-`config.first_last_layers_bf16`); inside an outer `fp8_context` the layer scopes share its key, so the
-whole model still costs one amax collective per direction. MoE experts run in a nested scope over the
-expert amax domain (the ranks that hold the same experts).
+The block megatron builds from `get_gpt_block_spec` is an `FP8TransformerBlock`: with `config.fp8` set it
+opens one scope per pass (so the caller's `fp8_context` is optional) and runs `recompute_granularity="full"`
+through megatron's own checkpoint. Each `FP8TransformerLayer` opens its own scope too (bf16 for the
+first/last layers when `config.first_last_layers_bf16`); inside an outer scope the layer scopes share its
+key, so the whole model still costs one amax collective per direction. MoE experts run in a nested scope over
+the expert amax domain (the ranks that hold the same experts; built from megatron's groups when
+`parallel_state.initialize` did not run).
 """
 from __future__ import annotations
 
@@ -23,11 +26,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlock,
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
@@ -36,6 +35,19 @@ from .scopes import autocast
 from .expert_scope import expert_amax_group as _expert_group, expert_scope  # noqa: F401 (re-exported)
 from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, RowParallelLinear
 from .modules.norm import Norm
+from .megatron_block import FP8BlockSubmodules, FP8TransformerBlock
+
+__all__ = [
+    "FP8SequentialMLP",
+    "FP8TransformerBlock",
+    "FP8TransformerLayer",
+    "expert_scope",
+    "fp8_context",
+    "get_gpt_block_spec",
+    "get_gpt_layer_spec",
+    "is_bf16_layer",
+    "recipe_from_config",
+]
 
 _FORMATS = {"e4m3": Format.E4M3, "hybrid": Format.HYBRID}
 
@@ -172,12 +184,23 @@ def get_gpt_layer_spec(
 
 
 def get_gpt_block_spec(config, num_experts: Optional[int] = None, vp_stage: Optional[int] = None, **kwargs) -> ModuleSpec:
-    """A `TransformerBlock` spec: this stage's layers from `get_gpt_layer_spec` and a final norm that supports
-    sequence parallelism (megatron's torch-norm fallback refuses it without TransformerEngine or apex)."""
-    layer = get_gpt_layer_spec(num_experts=num_experts, normalization=getattr(config, "normalization", "LayerNorm"), **kwargs)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(
-            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=Norm
-        ),
-    )
+    """A block spec: this stage's layers from `get_gpt_layer_spec` and a final norm that supports sequence
+    parallelism (megatron's torch-norm fallback refuses it without TransformerEngine or apex).
+
+    The block built from it (by megatron's `GPTModel`, which always constructs a plain `TransformerBlock`, or
+    by `build_module`) is an `FP8TransformerBlock`: one FP8 scope per pass when `config.fp8` is set, and
+    `recompute_granularity="full"` with `config.fp8` through megatron's own checkpoint. For MoE models
+    (`config.num_moe_experts`) building it also sets up the expert amax domain from megatron's groups when
+    `parallel_state.initialize` did not run (collective: every rank builds its blocks).
+
+    Args:
+        config: megatron's TransformerConfig (layer count per stage, normalization).
+        num_experts: MoE layers when given (see `get_gpt_layer_spec`).
+        vp_stage: the virtual pipeline stage whose layers to build.
+        **kwargs: more `get_gpt_layer_spec` options.
+    """
+    normalization = getattr(config, "normalization", "LayerNorm")
+    layer = get_gpt_layer_spec(num_experts=num_experts, normalization=normalization, **kwargs)
+    layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=FP8TransformerBlock, submodules=FP8BlockSubmodules(layers, layer_norm=Norm))
+

@@ -7,6 +7,7 @@ reduction domains. `device_compat` lets megatron's CUDA-only code run on CPU wit
 from .device_compat import cpu_compat, needs_cpu_compat
 from .groups import (
     DIMENSIONS,
+    build_expert_amax_group,
     default_backend,
     dense_amax_group,
     destroy,
@@ -25,6 +26,7 @@ __all__ = [
     "DIMENSIONS",
     "ParallelLayoutError",
     "ParallelSizes",
+    "build_expert_amax_group",
     "cpu_compat",
     "default_backend",
     "dense_amax_group",

@@ -108,15 +108,17 @@ def initialize(
         expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
-    _EXTRAS = _Extras(sizes=sizes, expert_amax_group=_build_expert_amax_group(timeout), owns_process_group=owns)
+    _EXTRAS = _Extras(sizes=sizes, expert_amax_group=build_expert_amax_group(timeout), owns_process_group=owns)
     return sizes
 
 
-def _build_expert_amax_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+def build_expert_amax_group(timeout: Optional[datetime.timedelta] = None) -> dist.ProcessGroup:
     """Group the ranks that hold the same experts: equal (pipeline rank, expert-parallel rank).
 
-    The key of every rank is read from megatron's groups and gathered, so no rank arithmetic is repeated
-    here. Every rank creates every group in the same order, as `new_group` requires.
+    Reads megatron's groups only, so it also serves runs whose groups megatron's `initialize_model_parallel`
+    built without `initialize` (Megatron-LM's start-up). Collective: every rank of the world calls it, in the
+    same order. The key of every rank is read from megatron's groups and gathered, so no rank arithmetic is
+    repeated here. Every rank creates every group in the same order, as `new_group` requires.
     """
     mpu = _mpu()
     key = torch.tensor(
@@ -131,7 +133,7 @@ def _build_expert_amax_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
         members.setdefault(tuple(k.tolist()), []).append(rank)
     mine = None
     for k in sorted(members):
-        group = dist.new_group(members[k], timeout=timeout)
+        group = dist.new_group(members[k], timeout=timeout) if timeout is not None else dist.new_group(members[k])
         if dist.get_rank() in members[k]:
             mine = group
     assert mine is not None

@@ -55,6 +55,21 @@ def test_megatron_lm_spec_path_tp2_pp2_vpp2():
     ])
 
 
+def test_gpt_block_spec_full_recompute_tp1_tp2():
+    """GPTModel from `get_gpt_block_spec` with config.fp8 and recompute_granularity="full" (uniform, block):
+    losses and gradients bitwise equal to no recompute over two steps, at TP1 and TP2 (2 gloo ranks)."""
+    launch("megatron_block_checks.py", 2, args=["recompute"], timeout=600,
+           expect_checks=["full_recompute_tp1", "full_recompute_tp2"])
+
+
+def test_megatron_lm_moe_expert_amax_domain_ep2():
+    """Megatron-LM-style start-up (megatron's groups only) with EP2 on 4 gloo ranks: MoE models from our block
+    specs reduce expert amaxes over the expert amax domain and dense ones over the dense group, with no set-up
+    by the caller; a domain of megatron's previous groups is refused."""
+    launch("megatron_block_checks.py", 4, args=["moe"], timeout=600,
+           expect_checks=["moe_expert_amaxes_over_expert_domain", "stale_expert_domain_is_refused"])
+
+
 def test_cpu_launcher_names_a_checkout_without_pretrain_gpt(tmp_path):
     import subprocess
     import sys

@@ -26,7 +26,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer.spec_utils import import_module  # noqa: E402
 from megatron.core.transformer.transformer_block import (  # noqa: E402
-    TransformerBlock,
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
@@ -174,13 +173,14 @@ def check_spec_by_name_builds_every_stage():
 
 def check_one_amax_reduction_per_block_pass():
     """With `block_spec` and no scope of the caller's, a microbatch pass of a chunk costs one amax
-    all-reduce per direction (not one per layer), and the run equals the documented user-scope run of
-    `get_gpt_block_spec` exactly: losses, gradients, and again after a step."""
+    all-reduce per direction (not one per layer), and the run equals the run of `get_gpt_block_spec` (whose
+    block is an FP8TransformerBlock too) under a caller's `fp8_context` exactly: losses, gradients, and again
+    after a step."""
     cfg = _config()
     with ps.cpu_compat():
         by_name = _build(cfg, lambda v: _spec("block_spec"))
         reference = _build(cfg, lambda v: get_gpt_block_spec(cfg, vp_stage=v))
-        assert all(type(c.decoder) is TransformerBlock for c in reference)
+        assert all(type(c.decoder) is FP8TransformerBlock for c in reference)
         for a, b in zip(by_name, reference):
             b.load_state_dict(a.state_dict())
         counts = []

@@ -14,10 +14,22 @@ from typing import Any, List
 from . import recipe
 from .amax_table import AmaxLayoutMismatch
 from .graphs import GraphedCallable, make_graphed_callables
-from .modules import FP8State, LayerNormLinear, LayerNormMLP, Linear
+from .modules import FP8State, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from .scopes import autocast, nonfinite_amax_count
-from .te_compat import TE_NAMES_NOT_PROVIDED, FP8Availability, fp8_autocast, is_fp8_available
+from .te_compat import (
+    TE_NAMES_NOT_PROVIDED,
+    FP8Availability,
+    fp8_autocast,
+    fp8_model_init,
+    get_default_recipe,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+    quantized_model_init,
+)
 from .tensor import Float8Tensor
 
 # name -> module it lives in; imported on first access because these import megatron-core
@@ -40,19 +52,28 @@ __all__ = [
     "Float8Tensor",
     "Format",
     "GraphedCallable",
+    "LayerNorm",
     "LayerNormColumnParallelLinear",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "RMSNorm",
     "RowParallelLinear",
     "autocast",
     "fp8_autocast",
     "fp8_max",
+    "fp8_model_init",
+    "get_default_recipe",
+    "is_bf16_available",
     "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
     "make_graphed_callables",
     "megatron",
     "nonfinite_amax_count",
     "pipeline",
+    "quantized_model_init",
     "recipe",
 ]
 

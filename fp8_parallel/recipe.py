@@ -1,17 +1,19 @@
 """FP8 formats and scaling recipes: plain, frozen, hashable configuration.
 
 The names follow TransformerEngine's `transformer_engine.common.recipe`, so `from fp8_parallel import recipe`
-stands in for `from transformer_engine.common import recipe`: `Format`, `DelayedScaling`,
-`Float8CurrentScaling` (our `CurrentScaling`), `MMParams`, and the `Recipe` base with its kind predicates.
+stands in for `from transformer_engine.common import recipe`: `Format` (whose values carry `max_fwd` /
+`max_bwd`), `DelayedScaling`, `Float8CurrentScaling` (our `CurrentScaling`), `MMParams`, `QParams`, and the
+`Recipe` base with its kind predicates. The recipes' fields, their order and defaults are TransformerEngine's.
 TransformerEngine fields that select behaviour we do not implement are accepted at their defaults and
 refused, with the reason, at any other value. Its block-scaled recipes exist as names that refuse to be
-constructed and say what to use instead.
+constructed and say what to use instead. Unlike TransformerEngine's, recipes are immutable (they key the
+autocast scopes): `dataclasses.replace(recipe, field=value)` makes a changed copy.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -25,6 +27,7 @@ __all__ = [
     "MMParams",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
+    "QParams",
     "Recipe",
     "fp8_max",
 ]
@@ -36,21 +39,34 @@ AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 _ALGOS = ("max", "most_recent")
 
 
-class Format(enum.Enum):
-    """Which FP8 encodings are used in the forward and the backward pass."""
+class FormatMax(NamedTuple):
+    """A `Format`'s value: the largest finite forward and backward values (TransformerEngine's layout)."""
 
-    E4M3 = "e4m3"  # E4M3 everywhere
-    E5M2 = "e5m2"  # E5M2 everywhere: a valid name, but no recipe trains with it (as in TransformerEngine)
-    HYBRID = "hybrid"  # E4M3 forward (activations, weights), E5M2 backward (gradients)
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """Which FP8 encodings are used in the forward and the backward pass. Each value is a `FormatMax`
+    (`Format.HYBRID.value.max_bwd == 57344`), as in TransformerEngine."""
+
+    E2M1 = FormatMax(6.0, 6.0)  # FP4: a valid name, but no recipe here uses it
+    E4M3 = FormatMax(448.0, 448.0)  # E4M3 everywhere
+    E5M2 = FormatMax(57344.0, 57344.0)  # E5M2 everywhere: a valid name, but no recipe trains with it (nor in TE)
+    HYBRID = FormatMax(448.0, 57344.0)  # E4M3 forward (activations, weights), E5M2 backward (gradients)
 
     @property
     def forward_dtype(self) -> torch.dtype:
         """The FP8 dtype of forward tensors (inputs, weights)."""
+        if self is Format.E2M1:
+            raise ValueError("Format.E2M1 is FP4, not an FP8 format")
         return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
 
     @property
     def backward_dtype(self) -> torch.dtype:
         """The FP8 dtype of backward tensors (output gradients)."""
+        if self is Format.E2M1:
+            raise ValueError("Format.E2M1 is FP4, not an FP8 format")
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
     @property
@@ -87,6 +103,19 @@ class MMParams:
 
 
 _FPROP_MM, _GRAD_MM = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """Quantization options of one tensor kind, as TransformerEngine names them (`Float8CurrentScaling`'s
+    `fp8_quant_fwd_inp`, `fp8_quant_fwd_weight`, `fp8_quant_bwd_grad` report them). Only the defaults are
+    implemented: scales are not rounded to powers of two, no Hadamard transform, no stochastic rounding."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
 
 class Recipe:
@@ -130,6 +159,9 @@ class Recipe:
 
 
 def _check_format(fmt: Any) -> None:
+    if fmt is Format.E2M1:
+        raise ValueError("fp8_format=Format.E2M1 is FP4 (NVFP4BlockScaling, not implemented); use Format.HYBRID "
+                         "or Format.E4M3")
     if fmt is Format.E5M2:
         raise ValueError(
             "fp8_format=Format.E5M2: training with E5M2 everywhere is not supported (nor in TransformerEngine); "
@@ -215,27 +247,29 @@ class CurrentScaling(Recipe):
 
     `scale = fp8_max / max(amax, eps)`, the same as torchao.float8's tensorwise dynamic scaling. No amax is
     registered with the autocast scope: each cast needs its scale before it runs, so each rank scales from
-    its local tensor. `Float8CurrentScaling` is the same class under TransformerEngine's name.
+    its local tensor. `Float8CurrentScaling` is the same class under TransformerEngine's name; the fields
+    are TransformerEngine's, in its order, and then `eps`.
 
     Args:
-        fp8_format: E4M3 or HYBRID.
-        eps: lower bound of the amax (TransformerEngine's `amax_epsilon`).
         use_power_2_scales: only False.
+        fp8_format: E4M3 or HYBRID.
         fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMM options, only at TransformerEngine's
             defaults (fast accumulation forward, full float32 accumulation backward; see `MMParams`).
         fp8_dpa, fp8_mha: only False (no FP8 attention).
         backward_override: only None.
+        eps: lower bound of the amax (keeps an all-zero tensor's scale finite; TransformerEngine's
+            `amax_epsilon` is 0 and treats a zero amax apart, with the same FP8 result: zeros).
     """
 
-    fp8_format: Format = Format.HYBRID
-    eps: float = 1e-12
     use_power_2_scales: bool = False
+    fp8_format: Format = Format.HYBRID
     fp8_gemm_fprop: MMParams = _FPROP_MM
     fp8_gemm_dgrad: MMParams = _GRAD_MM
     fp8_gemm_wgrad: MMParams = _GRAD_MM
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = None
+    eps: float = 1e-12
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format)
@@ -262,9 +296,35 @@ class CurrentScaling(Recipe):
         """Always False: current scaling has no amaxes to reduce."""
         return False
 
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        """How inputs are quantized (TransformerEngine's attribute): `QParams()`."""
+        return QParams()
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        """How weights are quantized (TransformerEngine's attribute): `QParams()`."""
+        return QParams()
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        """How gradients are quantized (TransformerEngine's attribute): `QParams()`."""
+        return QParams()
+
 
 Float8CurrentScaling = CurrentScaling
 """TransformerEngine's name for `CurrentScaling`."""
+
+
+def _immutable(self: Recipe, name: str, value: Any) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: fp8_parallel recipes are immutable (they key the autocast scopes); "
+        f"make a changed copy with dataclasses.replace(recipe, {name}=...)"
+    )
+
+
+DelayedScaling.__setattr__ = _immutable  # type: ignore[method-assign]
+CurrentScaling.__setattr__ = _immutable  # type: ignore[method-assign]
 
 
 class _NotImplementedRecipe(Recipe):

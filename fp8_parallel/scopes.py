@@ -209,26 +209,74 @@ def _owned_or_companion_scope(recipe: Recipe, group: Optional[dist.ProcessGroup]
 
 
 class autocast:
-    """Run FP8 modules inside this block in FP8 with `recipe`, reducing amaxes over `group`.
+    """Run FP8 modules inside this block in FP8 with `recipe`, reducing amaxes over `amax_reduction_group`.
+
+    TransformerEngine 2.x's `te.autocast`, with its argument names and order.
 
     Args:
         enabled: False runs the enclosed FP8 modules in high precision (also inside an FP8 scope).
-        recipe: `DelayedScaling` (default) or `CurrentScaling`.
-        group: amax reduction group. Default: the dense amax domain of `parallel_state` when initialized,
-            else the world group when torch.distributed is initialized, else no reduction.
+        calibrating: only False: TransformerEngine's calibration mode (amaxes recorded while computing in
+            high precision) is not implemented.
+        recipe: `DelayedScaling` (default) or `CurrentScaling` from `fp8_parallel.recipe`.
+        amax_reduction_group: the amax reduction group. Default: the dense amax domain of `parallel_state`
+            when initialized, else the world group when torch.distributed is initialized, else no reduction.
+        group: the same as `amax_reduction_group` (give one of them).
 
     Scopes nest to any depth; each enabled scope has its own recipe and group. Within one outermost scope, all
     scopes with the same (recipe, group) share one key: nested in each other or side by side (e.g. the expert
     scopes of all MoE layers of a pass), so each key costs one collective per direction. A key's forward
     amaxes are reduced when the outermost scope exits (TransformerEngine's rule); a key opened outside any
     other scope is reduced when its own scope exits. An instance can be entered only once at a time.
+
+    Raises:
+        NotImplementedError: `calibrating=True`.
+        TypeError: a recipe that is not one of ours (e.g. TransformerEngine's own), a recipe passed where
+            `enabled` or `calibrating` goes, or a group that is not a ProcessGroup.
+        ValueError: both `amax_reduction_group` and `group`.
     """
 
-    def __init__(self, enabled: bool = True, recipe: Optional[Recipe] = None, group: Optional[dist.ProcessGroup] = None):
-        self.enabled = enabled
-        self.recipe = (recipe if recipe is not None else DelayedScaling()) if enabled else None
+    def __init__(
+        self,
+        enabled: bool = True,
+        calibrating: bool = False,
+        recipe: Optional[Recipe] = None,
+        amax_reduction_group: Optional[dist.ProcessGroup] = None,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+    ):
+        for name, value in (("enabled", enabled), ("calibrating", calibrating)):
+            if isinstance(value, Recipe):
+                raise TypeError(f"autocast({name}={value!r}): positional arguments are (enabled, calibrating, "
+                                f"recipe, amax_reduction_group), as in TransformerEngine; pass the recipe as "
+                                f"recipe=...")
+            if value is not None and not isinstance(value, (bool, int)):
+                raise TypeError(f"autocast({name}={value!r}): expected a bool")
+        if calibrating:
+            raise NotImplementedError(
+                "autocast(calibrating=True) is not supported: fp8_parallel has no calibration mode (amaxes "
+                "recorded while computing in high precision). Use enabled=False for high precision, or "
+                "enabled=True to compute in FP8 (amaxes are recorded then)."
+            )
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(
+                f"autocast(recipe={recipe!r}): expected a recipe from fp8_parallel.recipe (DelayedScaling or "
+                "Float8CurrentScaling); TransformerEngine's recipe objects are not accepted"
+            )
+        if amax_reduction_group is not None and group is not None:
+            raise ValueError("autocast: give amax_reduction_group or group, not both")
+        group = amax_reduction_group if amax_reduction_group is not None else group
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"autocast(amax_reduction_group={group!r}): expected a torch.distributed ProcessGroup "
+                            "or None")
+        self.enabled = bool(enabled)
+        self.recipe = (recipe if recipe is not None else DelayedScaling()) if self.enabled else None
         self.group = group
         self._scope: Optional[_Scope] = None
+
+    @property
+    def amax_reduction_group(self) -> Optional[dist.ProcessGroup]:
+        """The group given (TransformerEngine's name for `group`)."""
+        return self.group
 
     def __enter__(self) -> "autocast":
         if self._scope is not None:

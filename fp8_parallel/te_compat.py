@@ -1,38 +1,46 @@
-"""TransformerEngine's entry points under their names: `fp8_autocast` and `is_fp8_available`.
+"""TransformerEngine's entry points under their names: `fp8_autocast`, the availability checks,
+`get_default_recipe`, and `quantized_model_init` / `fp8_model_init` (which refuse to make FP8 parameters).
 
-`fp8_parallel.autocast(enabled, recipe, group)` is the native scope; `fp8_autocast` takes TransformerEngine's
-keyword names and returns one. See `docs/` for the mapping of every TransformerEngine name.
+`fp8_parallel.autocast` is TransformerEngine 2.x's `autocast(enabled, calibrating, recipe,
+amax_reduction_group)`; `fp8_autocast` takes TransformerEngine's older keyword names and returns one. See
+`docs/migrating-from-te.md` for the mapping of every TransformerEngine name.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import contextlib
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from .recipe import Recipe
+from .recipe import DelayedScaling, Recipe
 from .scopes import autocast
 
-__all__ = ["FP8Availability", "fp8_autocast", "is_fp8_available"]
+__all__ = [
+    "FP8Availability",
+    "fp8_autocast",
+    "fp8_model_init",
+    "get_default_recipe",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+    "quantized_model_init",
+]
+
+_NO_FP8_PARAMETERS = ("FP8 parameters are not implemented: parameters stay in params_dtype, and their FP8 cast is "
+                      "cached per step with forward(..., is_first_microbatch=True/False)")
 
 TE_NAMES_NOT_PROVIDED = {
-    "fp8_model_init": "FP8 parameters are not implemented; parameters stay in params_dtype and their FP8 cast "
-                      "is cached per step with forward(..., is_first_microbatch=True/False)",
-    "quantized_model_init": "FP8 parameters are not implemented; parameters stay in params_dtype and their FP8 "
-                            "cast is cached per step with forward(..., is_first_microbatch=True/False)",
     "TransformerLayer": "build megatron's TransformerLayer / GPTModel with fp8_parallel.megatron.get_gpt_layer_spec()",
     "MultiheadAttention": "attention comes from megatron's layer spec (fp8_parallel.megatron.get_gpt_layer_spec())",
     "DotProductAttention": "attention runs in high precision; use megatron's DotProductAttention or torch's "
                            "scaled_dot_product_attention",
-    "LayerNorm": "norms run in high precision: use torch.nn.LayerNorm, or LayerNormLinear / LayerNormMLP",
-    "RMSNorm": "norms run in high precision: use torch.nn.RMSNorm, or LayerNormLinear / LayerNormMLP",
     "GroupedLinear": "fp8_parallel.modules.grouped.GroupedLinear has megatron's signature (num_gemms, input_size, "
                      "output_size, partition=, config=, init_method=)",
     "checkpoint": "use torch.utils.checkpoint.checkpoint or megatron's tensor_parallel.checkpoint; FP8 modules "
                   "recognise the recompute and reuse the first pass's scales",
-    "is_mxfp8_available": "only per-tensor FP8 scaling is implemented (see is_fp8_available)",
-    "is_fp8_block_scaling_available": "only per-tensor FP8 scaling is implemented (see is_fp8_available)",
-    "is_nvfp4_available": "only per-tensor FP8 scaling is implemented (see is_fp8_available)",
 }
 """TransformerEngine names this package does not provide, with what to use instead (the AttributeError that
 `fp8_parallel.<name>` raises says it)."""
@@ -83,7 +91,43 @@ def fp8_autocast(
         )
     if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
         raise TypeError(f"fp8_autocast(fp8_group={fp8_group!r}): expected a torch.distributed ProcessGroup or None")
-    return autocast(enabled=bool(enabled), recipe=fp8_recipe, group=fp8_group)
+    return autocast(enabled=bool(enabled), recipe=fp8_recipe, amax_reduction_group=fp8_group)
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """TransformerEngine's `quantized_model_init`: with `enabled=False` a no-op context (modules built inside
+    keep high-precision parameters, as they would in TransformerEngine).
+
+    Raises:
+        NotImplementedError: `enabled=True` (FP8 parameters are not implemented; the message says what to use).
+        TypeError: a recipe that is not one of ours.
+    """
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"quantized_model_init(recipe={recipe!r}): expected a recipe from fp8_parallel.recipe")
+    if enabled:
+        raise NotImplementedError(f"quantized_model_init(enabled=True): {_NO_FP8_PARAMETERS}. Build the modules "
+                                  f"outside it (or with enabled=False).")
+    del preserve_high_precision_init_val  # only meaningful for FP8 parameters
+    yield
+
+
+@contextlib.contextmanager
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """TransformerEngine's older name of `quantized_model_init` (the same rules)."""
+    if enabled:
+        raise NotImplementedError(f"fp8_model_init(enabled=True): {_NO_FP8_PARAMETERS}. Build the modules outside "
+                                  f"it (or with enabled=False).")
+    with quantized_model_init(False, recipe, preserve_high_precision_init_val):
+        yield
+
+
+def get_default_recipe() -> Recipe:
+    """The recipe `autocast(recipe=None)` uses: `DelayedScaling()` (TransformerEngine picks by GPU; its choice
+    on Hopper and Ada is this one)."""
+    return DelayedScaling()
 
 
 class FP8Availability(NamedTuple):
@@ -135,4 +179,41 @@ def is_fp8_available(return_reason: bool = True) -> FP8Availability:
     if capability < (9, 0) and tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 1):
         return FP8Availability(False, f"CUDA 12.1 or newer required for FP8 execution on Ada ({name}; torch "
                                       f"built with CUDA {torch.version.cuda})")
+    return FP8Availability(True, "")
+
+
+def _not_implemented(what: str) -> FP8Availability:
+    return FP8Availability(False, f"{what} is not implemented in fp8_parallel (only per-tensor FP8 scaling: "
+                                  f"recipe.DelayedScaling, recipe.Float8CurrentScaling; see is_fp8_available)")
+
+
+def is_mxfp8_available(return_reason: bool = True) -> FP8Availability:
+    """TransformerEngine's check for MXFP8: always `(False, reason)` here (MXFP8 is not implemented)."""
+    del return_reason
+    return _not_implemented("MXFP8 block scaling (recipe.MXFP8BlockScaling)")
+
+
+def is_fp8_block_scaling_available(return_reason: bool = True) -> FP8Availability:
+    """TransformerEngine's check for block-scaled FP8: always `(False, reason)` here (not implemented)."""
+    del return_reason
+    return _not_implemented("FP8 block scaling (recipe.Float8BlockScaling)")
+
+
+def is_nvfp4_available(return_reason: bool = True) -> FP8Availability:
+    """TransformerEngine's check for NVFP4: always `(False, reason)` here (not implemented)."""
+    del return_reason
+    return _not_implemented("NVFP4 (recipe.NVFP4BlockScaling)")
+
+
+def is_bf16_available(return_reason: bool = True) -> FP8Availability:
+    """Whether bfloat16 computation is supported here: a CUDA device of compute capability 8.0 or higher
+    (TransformerEngine's rule), or the CPU (torch computes bfloat16 there). `(available, reason)`, truthy as
+    `available`."""
+    del return_reason
+    if not torch.cuda.is_available():
+        return FP8Availability(True, "")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return FP8Availability(False, f"device compute capability 8.0 or higher required for BF16 execution "
+                                      f"({torch.cuda.get_device_name()} has {major}.{minor})")
     return FP8Availability(True, "")

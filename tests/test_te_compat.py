@@ -201,8 +201,6 @@ def test_recipes_refuse_unsupported_values_by_name(make, error, match):
 
 
 def test_te_names_not_provided_say_what_to_use():
-    with pytest.raises(AttributeError, match="fp8_model_init.*is_first_microbatch"):
-        te.fp8_model_init
     with pytest.raises(AttributeError, match="TransformerLayer.*get_gpt_layer_spec"):
         te.TransformerLayer
     assert not hasattr(te, "DotProductAttention")
@@ -268,8 +266,11 @@ def test_init_method_and_rng_tracker_are_used():
 
 
 @pytest.mark.parametrize("make, error, match", [
-    (lambda: te.Linear(8, 8, tp_size=2), NotImplementedError, "tensor-parallel size 2.*ColumnParallelLinear"),
     (lambda: te.Linear(8, 8, ub_overlap_ag=True), NotImplementedError, "ub_overlap_ag=True"),
+    (lambda: te.Linear(8, 8, symmetric_ar_type="multimem_all_reduce"), NotImplementedError, "symmetric_ar_type"),
+    (lambda: te.Linear(8, 6, parallel_mode="column", tp_size=4), ValueError, "out_features=6.*size 4"),
+    (lambda: te.Linear(8, 8, tp_size=0), ValueError, "tp_size=0"),
+    (lambda: te.Linear(8, 8, tp_group="tp"), TypeError, "tp_group='tp'"),
     (lambda: te.Linear(8, 8, fuse_wgrad_accumulation=True), NotImplementedError, "main_grad"),
     (lambda: te.Linear(8, 8, parameters_split=("q", "k")), NotImplementedError, "parameters_split"),
     (lambda: te.Linear(8, 8, delay_wgrad_compute=True), NotImplementedError, "delay_wgrad_compute"),
@@ -278,10 +279,14 @@ def test_init_method_and_rng_tracker_are_used():
     (lambda: te.Linear(8, 8, params_dtype=torch.float8_e4m3fn), ValueError, "params_dtype=torch.float8_e4m3fn"),
     (lambda: te.Linear(0, 8), ValueError, "in_features=0"),
     (lambda: te.LayerNormLinear(8, 8, normalization="BatchNorm"), ValueError, "normalization='BatchNorm'"),
-    (lambda: te.LayerNormLinear(8, 8, parallel_mode="column", tp_size=4), NotImplementedError, "size 4"),
-    (lambda: te.LayerNormMLP(8, 8, activation="clamped_swiglu"), ValueError, "activation='clamped_swiglu'"),
-    (lambda: te.LayerNormMLP(8, 8, checkpoint=True), NotImplementedError, "torch.utils.checkpoint"),
-    (lambda: te.LayerNormMLP(8, 8, set_parallel_mode=True, tp_size=2), NotImplementedError, "size 2"),
+    (lambda: te.LayerNormLinear(8, 8, parallel_mode="row", tp_size=2), NotImplementedError,
+     "parallel_mode='row'.*column"),
+    (lambda: te.LayerNormMLP(8, 8, activation="clamped_geglu"), ValueError, "activation='clamped_geglu'"),
+    (lambda: te.LayerNormMLP(8, 8, activation="gelu", activation_params={"limit": 1.0}), ValueError,
+     "only 'clamped_swiglu' takes"),
+    (lambda: te.LayerNormMLP(8, 8, activation="clamped_swiglu", activation_params={"beta": 1.0}), ValueError,
+     "unknown \\['beta'\\]"),
+    (lambda: te.LayerNormMLP(8, 6, set_parallel_mode=True, tp_size=4), ValueError, "ffn_hidden_size=6"),
 ])
 def test_modules_refuse_unsupported_options_by_name(make, error, match):
     with pytest.raises(error, match=match):

@@ -34,6 +34,15 @@ def _per_callable_fp8(fp8_enabled: Union[None, bool, Sequence[bool]], num_callab
                     f"got {fp8_enabled!r}")
 
 
+def _one_of(old: str, old_value: Any, new: str, new_value: Any, default: Any) -> Any:
+    """TransformerEngine's renamed arguments: the value of whichever name was given (not both)."""
+    if old_value is not None and new_value is not None:
+        raise ValueError(f"make_graphed_callables: give {new} or its older name {old}, not both")
+    if new_value is not None:
+        return new_value
+    return old_value if old_value is not None else default
+
+
 def _check_module(i: int, module: torch.nn.Module) -> None:
     """Hooks would run once while capturing and never on replay; trainable buffers get no gradient."""
     kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -58,21 +67,33 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs: Optional[Union[dict, Sequence[dict]]] = None,
-    fp8_enabled: Union[bool, Sequence[bool]] = False,
-    fp8_calibrating: bool = False,
+    fp8_enabled: Union[None, bool, Sequence[bool]] = None,
+    fp8_calibrating: Optional[bool] = None,
     fp8_recipe: Optional[Recipe] = None,
     fp8_group: Optional[dist.ProcessGroup] = None,
-    fp8_weight_caching: bool = False,
+    fp8_weight_caching: Optional[bool] = None,
+    enabled: Union[None, bool, Sequence[bool]] = None,
+    calibrating: Optional[bool] = None,
+    recipe: Optional[Recipe] = None,
+    amax_reduction_group: Optional[dist.ProcessGroup] = None,
+    cache_quantized_params: Optional[bool] = None,
     order: Optional[List[int]] = None,
     _order: Optional[List[int]] = None,
     _num_layers_per_chunk: Optional[Union[int, List[int]]] = None,
     _reuse_graph_input_output_buffers: bool = True,
     pool: Optional[Any] = None,
     retain_graph_in_backward: bool = False,
+    clone_param_grads_on_return: bool = True,
+    pre_warmup_hook: Optional[Callable[[], Any]] = None,
+    post_warmup_hook: Optional[Callable[[], Any]] = None,
+    capture_time_hooks: Optional[list] = None,
 ):
     """Capture forward and backward CUDA graphs of `modules` (callables or `nn.Module`s).
 
-    The arguments are TransformerEngine's (`te.pytorch.make_graphed_callables`), plus `order`.
+    The arguments are TransformerEngine's (`te.pytorch.make_graphed_callables`), plus `order`. Its 2.x names
+    `enabled`, `calibrating`, `recipe`, `amax_reduction_group`, `cache_quantized_params` and the older
+    `fp8_enabled`, `fp8_calibrating`, `fp8_recipe`, `fp8_group`, `fp8_weight_caching` are the same arguments
+    (give one name of each pair; below, the older names).
 
     Args:
         modules: one callable, or a sequence. With an order, the sequence is the layers of all chunks, chunk by
@@ -100,6 +121,11 @@ def make_graphed_callables(
             by microbatches that are never in flight together.
         pool: a memory pool handle (`torch.cuda.graph_pool_handle()`) to capture into (default: a new one).
         retain_graph_in_backward: keep the autograd graph when capturing (and running) backwards.
+        clone_param_grads_on_return: accepted, True or False: the parameter gradients a replayed backward
+            returns are copied by autograd into `.grad` either way, so they never alias the graph's buffers
+            (TransformerEngine's False skips that copy and lets them alias).
+        pre_warmup_hook, post_warmup_hook: called once (no arguments) before / after all warm-up passes.
+        capture_time_hooks: only None (not implemented; refused with NotImplementedError).
 
     Returns:
         Without `_order`: for a module, the module itself with `forward` replaced by a `GraphedCallable`
@@ -115,8 +141,23 @@ def make_graphed_callables(
         ValueError: a malformed order, sample counts that fit no layout, hooks on a module or any of its
             submodules (TransformerEngine checks the module only; a submodule's hook would silently not run
             on replay), trainable buffers. RuntimeError: the callables fork megatron's RNG tracker without graph-safe states (before
-            any capture; the message names the fix). NotImplementedError: `fp8_calibrating=True`.
+            any capture; the message names the fix). NotImplementedError: `fp8_calibrating=True`,
+        `capture_time_hooks`. ValueError also: both names of one argument given.
     """
+    fp8_enabled = _one_of("fp8_enabled", fp8_enabled, "enabled", enabled, False)
+    fp8_calibrating = _one_of("fp8_calibrating", fp8_calibrating, "calibrating", calibrating, False)
+    fp8_recipe = _one_of("fp8_recipe", fp8_recipe, "recipe", recipe, None)
+    fp8_group = _one_of("fp8_group", fp8_group, "amax_reduction_group", amax_reduction_group, None)
+    fp8_weight_caching = _one_of("fp8_weight_caching", fp8_weight_caching, "cache_quantized_params",
+                                 cache_quantized_params, False)
+    if capture_time_hooks is not None:
+        raise NotImplementedError("make_graphed_callables: capture_time_hooks is not supported; run such hooks "
+                                  "around the graphed callables' calls yourself (hooks on the returned module "
+                                  "run around every call)")
+    for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"make_graphed_callables: {name}={hook!r} is not callable")
+    del clone_param_grads_on_return  # gradients are copied into .grad by autograd either way (see above)
     if order is not None and _order is not None:
         raise ValueError("make_graphed_callables: give `order` or TransformerEngine's `_order`, not both")
     if fp8_calibrating:
@@ -173,7 +214,11 @@ def make_graphed_callables(
     watch = TrackerWatch()
     cached_weights: Dict[int, List[torch.Tensor]] = {}
     try:
+        if pre_warmup_hook is not None:
+            pre_warmup_hook()
         cached_weights = _warm_up(entries, num_warmup_iters, graphs)
+        if post_warmup_hook is not None:
+            post_warmup_hook()
         if graphs:
             watch.refuse_capture_if_forked()
             _capture(entries, layout, pool if pool is not None else torch.cuda.graph_pool_handle())

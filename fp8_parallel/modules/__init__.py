@@ -1,5 +1,5 @@
-"""FP8 modules: standalone ones with TransformerEngine's signatures (`Linear`, `LayerNormLinear`,
-`LayerNormMLP`), and tensor-parallel ones with megatron-core's signatures (`ColumnParallelLinear`,
+"""FP8 modules: ones with TransformerEngine's signatures (`Linear`, `LayerNormLinear`, `LayerNormMLP`, and the
+high-precision `LayerNorm` / `RMSNorm`), and tensor-parallel ones with megatron-core's signatures (`ColumnParallelLinear`,
 `RowParallelLinear`, `LayerNormColumnParallelLinear`; they import megatron-core on first access)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from ._core import FP8State, fp8_linear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .te_layernorm_linear import LayerNormLinear
+from .te_norm import LayerNorm, RMSNorm
 
 _MEGATRON_MODULES = {
     "ColumnParallelLinear": ".parallel_linear",
@@ -20,10 +21,12 @@ _MEGATRON_MODULES = {
 __all__ = [
     "ColumnParallelLinear",
     "FP8State",
+    "LayerNorm",
     "LayerNormColumnParallelLinear",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "RMSNorm",
     "RowParallelLinear",
     "fp8_linear",
 ]

@@ -1,45 +1,37 @@
 """What the TransformerEngine-style standalone modules share: device and dtype defaults, weight
 initialization, and the TransformerEngine constructor options they accept only at their defaults.
 
-A TransformerEngine option that selects behaviour these single-rank modules do not have (tensor parallelism,
-userbuffers overlap, fused main_grad accumulation, ...) is accepted at its default value and refused, with the
-reason and what to use instead, at any other. Options TransformerEngine itself ignores in a case (sequence
-parallelism at tensor-parallel size 1, JIT warm-up sizes, the userbuffers name) are accepted and ignored.
+Tensor parallelism (`tp_group`, `tp_size`, `parallel_mode`, `sequence_parallel`) is implemented
+(`_tensor_parallel.py`). A TransformerEngine option that selects behaviour these modules do not have
+(userbuffers overlap, fused main_grad accumulation, delayed weight gradients, ...) is accepted at its default
+value and refused, with the reason and what to use instead, at any other. Options that change no result
+(JIT warm-up sizes, the userbuffers name, which copy of the input backward keeps) are accepted.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import torch
-import torch.distributed as dist
 
-_PARALLEL_LINEARS = (
-    "fp8_parallel.ColumnParallelLinear / RowParallelLinear / LayerNormColumnParallelLinear (megatron-core "
-    "signatures, tensor-parallel groups from parallel_state)"
-)
-
-# option -> (default, why another value is refused); None as the reason: any value is accepted and ignored
+# option -> (default, why another value is refused); None as the reason: any value is accepted (no effect on
+# any result)
 _OPTIONS: Dict[str, tuple] = {
-    "sequence_parallel": (False, None),  # without tensor parallelism TransformerEngine ignores it too
     "ub_name": (None, None),
     "seq_length": (None, None),  # JIT warm-up hints
     "micro_batch_size": (None, None),
-    "fuse_wgrad_accumulation": (False, "gradients are written to .grad; accumulation into a main_grad buffer "
-                                       "is not implemented"),
+    # the weight-gradient operand is the input cast with the forward's scale either way (kept in FP8, or
+    # re-cast in backward from the kept input), so the results are the same; only what is held differs
+    "save_original_input": (False, None),
+    "fuse_wgrad_accumulation": (False, "gradients are written to .grad (megatron's DDP moves them into main_grad "
+                                       "itself); fused accumulation into a main_grad buffer is not implemented"),
     "parameters_split": (None, "each weight is one parameter; split the output after the module instead"),
     "delay_wgrad_compute": (False, "the weight gradient is computed in the module's own backward"),
-    "symmetric_ar_type": (None, "these modules run no all-reduce (no tensor parallelism)"),
-    "save_original_input": (False, "what backward keeps is chosen by the FP8 linear itself (a leaf input is "
-                                   "kept by reference, otherwise the 1-byte FP8 transpose)"),
-    "activation_params": (None, "only activations without parameters are implemented (no clamped_swiglu)"),
-    "checkpoint": (False, "selective recompute inside the module is not implemented; wrap the module in "
-                          "torch.utils.checkpoint instead"),
-    "return_layernorm_output_gathered": (False, None),  # the same as return_layernorm_output without TP
+    "symmetric_ar_type": (None, "tensor-parallel all-reduces are torch.distributed's all_reduce (no symmetric "
+                                "memory variants)"),
 }
 for _ub in ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"):
-    _OPTIONS[_ub] = (False, "userbuffers communication/GEMM overlap is not implemented (it needs tensor parallelism)")
-
-_TP_OPTIONS = ("tp_group", "tp_size", "parallel_mode", "set_parallel_mode")
+    _OPTIONS[_ub] = (False, "userbuffers communication/GEMM overlap is not implemented; the tensor-parallel "
+                            "collectives run before/after the GEMMs")
 
 
 def check_te_options(owner: str, allowed: Iterable[str], options: Dict[str, Any]) -> None:
@@ -58,33 +50,22 @@ def check_te_options(owner: str, allowed: Iterable[str], options: Dict[str, Any]
     for name in options:
         if name not in allowed:
             raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
-    _check_tensor_parallel(owner, options)
     for name, value in options.items():
-        if name in _TP_OPTIONS:
-            continue
         default, why = _OPTIONS[name]
         if why is not None and value != default:
             raise NotImplementedError(f"{owner}({name}={value!r}): {why}. Leave {name}={default!r}.")
 
 
-def _check_tensor_parallel(owner: str, options: Dict[str, Any]) -> None:
-    group = options.get("tp_group")
-    size = dist.get_world_size(group) if group is not None else options.get("tp_size", 1)
-    mode = options.get("parallel_mode")
-    if mode not in (None, "column", "row"):
-        raise ValueError(f"{owner}(parallel_mode={mode!r}): expected None, 'column' or 'row'")
-    if size != 1:
-        raise NotImplementedError(
-            f"{owner}: tensor-parallel size {size} (tp_group/tp_size) is not supported by this single-rank "
-            f"module; use {_PARALLEL_LINEARS}"
-        )
-
-
 def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
-    """The parameters' device: None means CUDA when available, else the CPU; an explicit device is kept."""
+    """The parameters' device: None means CUDA when available, else the CPU; an explicit device is kept
+    (not "meta": deferred initialization is refused)."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(device)
+    device = torch.device(device)
+    if device.type == "meta":
+        raise NotImplementedError("device='meta' (deferred initialization, then reset_parameters()) is not "
+                                  "supported: build the module on the CPU or the GPU")
+    return device
 
 
 def resolve_dtype(owner: str, params_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -141,12 +122,14 @@ def check_forward_options(owner: str, fp8_output: Optional[bool], fp8_grad: Opti
 def add_linear_parameters(module: torch.nn.Module, in_features: int, out_features: int, bias: bool,
                           dtype: torch.dtype, device: torch.device, init_method: Optional[Callable],
                           get_rng_state_tracker: Optional[Callable], tag: str,
-                          rng_tracker_name: Optional[str] = None) -> None:
-    """Give `module` TransformerEngine's linear parameters (`weight`, optional zero `bias`) and its FP8 state
-    (`fp8`, tagged `tag`)."""
+                          rng_tracker_name: Optional[str] = None, bias_features: Optional[int] = None) -> None:
+    """Give `module` TransformerEngine's linear parameters (`weight [out_features, in_features]`, this rank's
+    shard, initialized as such; optional zero `bias` of `bias_features`, default `out_features`) and its FP8
+    state (`fp8`, tagged `tag`)."""
     from ._core import FP8State
 
     module.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
     init_weight(module.weight, init_method, get_rng_state_tracker, rng_tracker_name)
-    module.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+    size = out_features if bias_features is None else bias_features
+    module.bias = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device)) if bias else None
     module.fp8 = FP8State(tag, device=device)

@@ -1,24 +1,27 @@
-"""`LayerNormMLP`: norm -> fc1 -> activation -> fc2, standalone, with TransformerEngine's signature.
+"""`LayerNormMLP`: norm -> fc1 -> activation -> fc2, with TransformerEngine's signature.
 
-Single-rank, like `Linear`. Both GEMMs run in FP8 inside an enabled autocast scope (each with its own FP8
-state); the norm and the activation run in high precision.
+No megatron config needed; tensor parallelism is TransformerEngine's (`set_parallel_mode=True`: fc1
+column-parallel, fc2 row-parallel). Both GEMMs run in FP8 inside an enabled autocast scope (each with its own
+FP8 state); the norm and the activation run in high precision.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._core import FP8State, fp8_linear
 from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
+from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
 
 _LAYERNORM_MLP_OPTIONS = (
-    "sequence_parallel", "tp_group", "tp_size", "activation_params", "fuse_wgrad_accumulation",
-    "return_layernorm_output_gathered", "seq_length", "micro_batch_size", "set_parallel_mode", "ub_overlap_ag",
-    "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "delay_wgrad_compute",
-    "symmetric_ar_type", "checkpoint",
+    "fuse_wgrad_accumulation", "seq_length", "micro_batch_size", "ub_overlap_ag", "ub_overlap_rs",
+    "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "delay_wgrad_compute", "symmetric_ar_type",
 )
 
 
@@ -42,28 +45,71 @@ _ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _GATED: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "geglu": _gelu_tanh, "reglu": F.relu, "swiglu": F.silu, "qgeglu": _qgelu, "sreglu": _srelu, "glu": torch.sigmoid,
 }
+# clamped_swiglu's parameters and TransformerEngine's defaults
+_CLAMPED_SWIGLU_PARAMS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
+ACTIVATION_NAMES = sorted(_ACTIVATIONS) + sorted(_GATED) + ["clamped_swiglu"]
 
 
-def activate(activation: str, h: torch.Tensor) -> torch.Tensor:
+def _clamped_swiglu(h: torch.Tensor, limit: float, alpha: float, glu_linear_offset: float) -> torch.Tensor:
+    """GPT-OSS's SwiGLU: the gate clamped from above at `limit` through `x * sigmoid(alpha * x)`, times the
+    linear half clamped to [-limit, limit] plus `glu_linear_offset`."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up.clamp(-limit, limit) + glu_linear_offset)
+
+
+def check_activation(owner: str, activation: str, activation_params: Optional[dict]) -> Dict[str, float]:
+    """Validate TransformerEngine's `activation` / `activation_params`; returns the parameters in use."""
+    if activation not in ACTIVATION_NAMES:
+        raise ValueError(f"{owner}(activation={activation!r}): expected one of {ACTIVATION_NAMES}")
+    if activation != "clamped_swiglu":
+        if activation_params:
+            raise ValueError(f"{owner}(activation_params={activation_params!r}): only 'clamped_swiglu' takes "
+                             f"parameters, not {activation!r}")
+        return {}
+    params = dict(activation_params or {})
+    unknown = sorted(set(params) - set(_CLAMPED_SWIGLU_PARAMS))
+    if unknown:
+        raise ValueError(f"{owner}(activation_params={activation_params!r}): unknown {unknown}; clamped_swiglu "
+                         f"takes {sorted(_CLAMPED_SWIGLU_PARAMS)}")
+    return {**_CLAMPED_SWIGLU_PARAMS, **params}
+
+
+def activate(activation: str, h: torch.Tensor, params: Optional[Dict[str, float]] = None) -> torch.Tensor:
     """Apply a TransformerEngine-named activation to fc1's output (gated ones halve the last dim)."""
+    if activation == "clamped_swiglu":
+        return _clamped_swiglu(h, **{**_CLAMPED_SWIGLU_PARAMS, **(params or {})})
     if activation in _GATED:
         gate, up = h.chunk(2, dim=-1)
         return _GATED[activation](gate) * up
     return _ACTIVATIONS[activation](h)
 
 
+def _gated(activation: str) -> bool:
+    return activation in _GATED or activation == "clamped_swiglu"
+
+
 class LayerNormMLP(torch.nn.Module):
-    """Norm, fc1, activation, fc2: TransformerEngine's `LayerNormMLP` at tensor-parallel size 1.
+    """Norm, fc1, activation, fc2: TransformerEngine's `LayerNormMLP`.
 
     Args:
         hidden_size: input and output size.
-        ffn_hidden_size: the intermediate size (fc1 has `2 * ffn_hidden_size` outputs for gated activations).
-        eps, normalization, zero_centered_gamma, return_layernorm_output: the norm, as in `LayerNormLinear`.
-        bias: fc1 and fc2 learn biases (initialized to zero).
+        ffn_hidden_size: the intermediate size (fc1 has `2 * ffn_hidden_size` outputs for gated activations),
+            split over the TP ranks when `tp_size` > 1.
+        eps, normalization, zero_centered_gamma, return_layernorm_output(_gathered): the norm, as in
+            `LayerNormLinear`.
+        sequence_parallel, tp_group, tp_size: as for `Linear`.
+        set_parallel_mode: with more than one TP rank, fc1 is column-parallel and fc2 row-parallel (the
+            output all-reduced, or reduce-scattered with sequence parallelism). Without it the weights are
+            still split over `tp_size` but nothing is communicated (TransformerEngine's behaviour).
+        bias: fc1 and fc2 learn biases (initialized to zero; fc2's is added after the TP reduction).
         activation: "gelu" (tanh approximation, as in TransformerEngine), "relu", "silu", "qgelu", "srelu",
-            or gated "swiglu", "geglu", "reglu", "qgeglu", "sreglu", "glu".
+            or gated "swiglu", "geglu", "reglu", "qgeglu", "sreglu", "glu", "clamped_swiglu".
+        activation_params: clamped_swiglu's `limit` (7.0), `alpha` (1.702), `glu_linear_offset` (1.0).
+        checkpoint: recompute norm, fc1 and the activation in backward instead of keeping their outputs
+            (torch's non-reentrant checkpoint; the FP8 casts repeat with the first pass's scales).
         return_bias: do not add fc2's bias; return it.
-        init_method, output_layer_init_method: initialize fc1's / fc2's weight (default normal(0, 0.023)).
+        init_method, output_layer_init_method: initialize fc1's / fc2's weight shard (default normal(0, 0.023)).
         params_dtype, device, get_rng_state_tracker, name: as for `Linear`.
         **te_options: TransformerEngine's other options, accepted at their defaults (see `Linear`).
 
@@ -80,12 +126,19 @@ class LayerNormMLP(torch.nn.Module):
         ffn_hidden_size: int,
         eps: float = 1e-5,
         *,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_size: int = 1,
+        set_parallel_mode: bool = False,
         bias: bool = True,
         normalization: str = "LayerNorm",
         activation: str = "gelu",
+        activation_params: Optional[dict] = None,
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
         return_bias: bool = False,
+        checkpoint: bool = False,
         init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         output_layer_init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         params_dtype: Optional[torch.dtype] = None,
@@ -97,52 +150,81 @@ class LayerNormMLP(torch.nn.Module):
         super().__init__()
         check_te_options("LayerNormMLP", _LAYERNORM_MLP_OPTIONS, te_options)
         check_normalization("LayerNormMLP", normalization)
-        if activation not in _ACTIVATIONS and activation not in _GATED:
-            raise ValueError(
-                f"LayerNormMLP(activation={activation!r}): expected one of {sorted(_ACTIVATIONS) + sorted(_GATED)}"
-            )
+        self.activation_params = check_activation("LayerNormMLP", activation, activation_params)
         for label, size in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"LayerNormMLP({label}={size!r}): expected a positive integer")
         if not eps > 0:
             raise ValueError(f"LayerNormMLP(eps={eps!r}): expected a positive number")
+        # set_parallel_mode decides the communication; the split follows tp_size alone (as in TransformerEngine)
+        self.tp = TensorParallel.resolve("LayerNormMLP", tp_group, tp_size, "column" if set_parallel_mode else None,
+                                         sequence_parallel)
         dtype, device = resolve_dtype("LayerNormMLP", params_dtype), resolve_device(device)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
-        self.activation = activation
-        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
-        fc1_out = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
+        self.activation, self.set_parallel_mode, self.checkpoint = activation, bool(set_parallel_mode), bool(checkpoint)
+        self.return_layernorm_output = return_layernorm_output
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        self.return_bias = return_bias
+        local_ffn = self.tp.split(ffn_hidden_size, "ffn_hidden_size")
+        fc1_out = 2 * local_ffn if _gated(activation) else local_ffn
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             hidden_size, normalization, zero_centered_gamma, dtype, device
         )
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
         init_weight(self.fc1_weight, init_method, get_rng_state_tracker)
         self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device)) if bias else None
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, dtype=dtype, device=device))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, local_ffn, dtype=dtype, device=device))
         init_weight(self.fc2_weight, output_layer_init_method, get_rng_state_tracker)
         self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
+        mark_sequence_parallel([self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias], self.tp.sequence_parallel)
+        if self.tp.size > 1:
+            for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
+                mark_partitioned(p, dim)
         tag = name or f"LayerNormMLP({hidden_size},{ffn_hidden_size},{activation})"
         self.fc1_fp8 = FP8State(f"{tag}.fc1", device=device)
         self.fc2_fp8 = FP8State(f"{tag}.fc2", device=device)
+
+    def set_tensor_parallel_group(self, tp_group: Optional[dist.ProcessGroup]) -> None:
+        """Set the tensor-parallel group (TransformerEngine's method), for a module built with `tp_size`."""
+        self.tp.set_group(tp_group)
+
+    def _local(self, inp: torch.Tensor, is_first_microbatch: Optional[bool], fc2_bias: Optional[torch.Tensor]):
+        """This rank's part: norm, gather, fc1, activation, fc2 (before fc2's TP reduction)."""
+        ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                           self.zero_centered_gamma)
+        total = self.tp.column_input(ln_out)
+        h = fp8_linear(total, self.fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch)
+        h = activate(self.activation, h, self.activation_params)
+        out = fp8_linear(h, self.fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch)
+        return out, ln_out, total
 
     def forward(
         self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """Norm -> fc1 -> activation -> fc2 (both GEMMs in FP8 inside an enabled autocast scope)."""
         check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
-        ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                           self.zero_centered_gamma)
-        h = fp8_linear(ln_out, self.fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch)
-        h = activate(self.activation, h)
-        out = fp8_linear(h, self.fc2_weight, None if self.return_bias else self.fc2_bias, self.fc2_fp8,
-                         is_first_microbatch)
+        # fc2's bias goes into the GEMM only when no TP reduction follows it
+        in_gemm = self.fc2_bias if not self.return_bias and not self.tp.active else None
+        local = functools.partial(self._local, is_first_microbatch=is_first_microbatch, fc2_bias=in_gemm)
+        if self.checkpoint and torch.is_grad_enabled():
+            out, ln_out, total = torch_checkpoint(local, inp, use_reentrant=False)
+        else:
+            out, ln_out, total = local(inp)
+        if self.tp.active:
+            out = self.tp.row_output(out)
+            if self.fc2_bias is not None and not self.return_bias:
+                out = out + self.fc2_bias.to(out.dtype)
         extra = []
         if self.return_bias:
             extra.append(None if self.fc2_bias is None else self.fc2_bias.to(out.dtype))
-        if self.return_layernorm_output:
+        if self.return_layernorm_output_gathered:
+            extra.append(total if self.tp.active and self.tp.sequence_parallel else ln_out)
+        elif self.return_layernorm_output:
             extra.append(ln_out)
         return (out, *extra) if extra else out
 
     def extra_repr(self) -> str:
+        tp = f", tp_size={self.tp.size}, set_parallel_mode={self.set_parallel_mode}" if self.tp.size > 1 else ""
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"activation={self.activation}, normalization={self.normalization}")
+                f"activation={self.activation}, normalization={self.normalization}{tp}")

@@ -1,43 +1,51 @@
-"""`LayerNormLinear`: a norm followed by a standalone FP8 linear, with TransformerEngine's signature.
+"""`LayerNormLinear`: a norm followed by an FP8 linear, with TransformerEngine's signature.
 
-Single-rank, like `Linear`: no megatron config, no parallel set-up. The norm runs in high precision; the
-linear runs in FP8 inside an enabled autocast scope. The tensor-parallel form with megatron's signature is
-`LayerNormColumnParallelLinear`.
+No megatron config needed; tensor parallelism is TransformerEngine's column mode (`parallel_mode="column"`,
+`tp_group`, `sequence_parallel`). The norm runs in high precision; the linear runs in FP8 inside an enabled
+autocast scope. The tensor-parallel form with megatron's signature is `LayerNormColumnParallelLinear`.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from ._core import fp8_linear
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
 )
+from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
 
 _LAYERNORM_LINEAR_OPTIONS = (
-    "sequence_parallel", "fuse_wgrad_accumulation", "tp_group", "tp_size", "parallel_mode",
-    "return_layernorm_output_gathered", "parameters_split", "ub_overlap_ag", "ub_overlap_rs",
-    "ub_overlap_rs_dgrad", "ub_bulk_wgrad", "ub_bulk_dgrad", "ub_name", "delay_wgrad_compute", "symmetric_ar_type",
+    "fuse_wgrad_accumulation", "parameters_split", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad",
+    "ub_bulk_wgrad", "ub_bulk_dgrad", "ub_name", "delay_wgrad_compute", "symmetric_ar_type",
 )
 
 
 class LayerNormLinear(torch.nn.Module):
-    """`normalization(x) @ weight.T + bias`, TransformerEngine's `LayerNormLinear` at tensor-parallel size 1.
+    """`normalization(x) @ weight.T + bias`, TransformerEngine's `LayerNormLinear`.
 
     Args:
-        in_features, out_features: sizes.
+        in_features, out_features: full (unsplit) sizes.
         eps: the norm's epsilon.
+        sequence_parallel, tp_group, tp_size: as for `Linear`.
+        parallel_mode: None or "column" (output features split over TP; with sequence parallelism the norm
+            runs on this rank's shard and its output is all-gathered). "row" is refused, as in
+            TransformerEngine.
         bias: learn an additive bias for the linear (initialized to zero).
         normalization: "LayerNorm" (gain and bias) or "RMSNorm" (gain only).
         zero_centered_gamma: the norm's gain is `1 + layer_norm_weight`, with the weight starting at 0.
-        return_layernorm_output: also return the norm's output.
+        return_layernorm_output: also return the norm's output (this rank's shard under sequence parallelism).
+        return_layernorm_output_gathered: also return the norm's output, all-gathered under sequence
+            parallelism.
         return_bias: do not add the linear's bias; return it.
         init_method, params_dtype, device, get_rng_state_tracker, name: as for `Linear`.
         **te_options: TransformerEngine's other options, accepted at their defaults (see `Linear`).
 
-    Parameters: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), `weight`, `bias`.
+    Parameters: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only; both carry `sequence_parallel`),
+    `weight`, `bias`.
 
     Forward: `forward(inp, is_first_microbatch=None)` returns `out`, `(out, bias)`, `(out, ln_out)` or
     `(out, bias, ln_out)`, as TransformerEngine does.
@@ -49,10 +57,15 @@ class LayerNormLinear(torch.nn.Module):
         out_features: int,
         eps: float = 1e-5,
         *,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_size: int = 1,
+        parallel_mode: Optional[str] = None,
         bias: bool = True,
         normalization: str = "LayerNorm",
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
         return_bias: bool = False,
         init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         params_dtype: Optional[torch.dtype] = None,
@@ -64,20 +77,37 @@ class LayerNormLinear(torch.nn.Module):
         super().__init__()
         check_te_options("LayerNormLinear", _LAYERNORM_LINEAR_OPTIONS, te_options)
         check_normalization("LayerNormLinear", normalization)
+        if parallel_mode == "row":
+            raise NotImplementedError("LayerNormLinear(parallel_mode='row'): a norm needs the whole feature "
+                                      "dimension (TransformerEngine refuses it too); use parallel_mode='column', "
+                                      "or a norm followed by Linear(parallel_mode='row')")
         for label, size in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"LayerNormLinear({label}={size!r}): expected a positive integer")
         if not eps > 0:
             raise ValueError(f"LayerNormLinear(eps={eps!r}): expected a positive number")
+        self.tp = TensorParallel.resolve("LayerNormLinear", tp_group, tp_size, parallel_mode, sequence_parallel,
+                                         modes=(None, "column"))
         dtype, device = resolve_dtype("LayerNormLinear", params_dtype), resolve_device(device)
         self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
-        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        self.return_bias = return_bias
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             in_features, normalization, zero_centered_gamma, dtype, device
         )
-        add_linear_parameters(self, in_features, out_features, bias, dtype, device, init_method,
+        mark_sequence_parallel([self.layer_norm_weight, self.layer_norm_bias], self.tp.sequence_parallel)
+        local_out = self.tp.split(out_features, "out_features") if parallel_mode == "column" else out_features
+        add_linear_parameters(self, in_features, local_out, bias, dtype, device, init_method,
                               get_rng_state_tracker, name or f"LayerNormLinear({in_features},{out_features})")
+        if self.tp.size > 1 and parallel_mode == "column":
+            mark_partitioned(self.weight, 0)
+            mark_partitioned(self.bias, 0)
+
+    def set_tensor_parallel_group(self, tp_group: Optional[dist.ProcessGroup]) -> None:
+        """Set the tensor-parallel group (TransformerEngine's method), for a module built with `tp_size`."""
+        self.tp.set_group(tp_group)
 
     def forward(
         self,
@@ -91,14 +121,18 @@ class LayerNormLinear(torch.nn.Module):
         check_input("LayerNormLinear", inp, self.in_features)
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
-        out = fp8_linear(ln_out, self.weight, None if self.return_bias else self.bias, self.fp8, is_first_microbatch)
+        total = self.tp.column_input(ln_out)
+        out = fp8_linear(total, self.weight, None if self.return_bias else self.bias, self.fp8, is_first_microbatch)
         extra = []
         if self.return_bias:
             extra.append(None if self.bias is None else self.bias.to(out.dtype))
-        if self.return_layernorm_output:
+        if self.return_layernorm_output_gathered:
+            extra.append(total if self.tp.active and self.tp.sequence_parallel else ln_out)
+        elif self.return_layernorm_output:
             extra.append(ln_out)
         return (out, *extra) if extra else out
 
     def extra_repr(self) -> str:
+        tp = f", parallel_mode={self.tp.mode}, tp_size={self.tp.size}" if self.tp.mode else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"normalization={self.normalization}")
+                f"normalization={self.normalization}{tp}")

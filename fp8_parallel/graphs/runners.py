@@ -116,18 +116,24 @@ class _GraphRunner(_Runner):
         self.bwd_graph = torch.cuda.CUDAGraph()
         for gen in self.options.generators:
             self.bwd_graph.register_generator_state(gen)
+        cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
         try:
             with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
-                grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
+                try:
+                    grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
+                except RuntimeError as err:
+                    cause.append(err)
+                    raise
                 with torch.no_grad():
                     for buf, g in zip(self.static_grads, grads):
                         if buf is not None and g is not None:
                             buf.copy_(g)
                 del grads
         except RuntimeError as err:
-            if "legacy stream" not in str(err):
-                raise
-            raise RuntimeError(LEGACY_STREAM_HINT) from err
+            first = cause[0] if cause else err
+            if "legacy stream" in str(first):
+                raise RuntimeError(LEGACY_STREAM_HINT) from first
+            raise
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 
     def release(self) -> None:

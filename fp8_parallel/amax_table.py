@@ -13,14 +13,22 @@ from .recipe import DelayedScaling
 from .scaling import update_history_and_scale
 
 _FINGERPRINT_MOD = 1 << 23  # exactly representable in float32
-HEADER = 4  # [fingerprint, -fingerprint, slot count, -slot count], reduced with MAX in front of the amaxes
+HEADER = 4  # [fingerprint, -fingerprint, count, -count] (see `count_code`), reduced with MAX before the amaxes
 LAYOUT_CHECK_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def count_code(used: int, backward_follows: bool) -> int:
+    """The header's count: `2 * slots + backward_follows`. The low bit says whether this rank will reduce the
+    key's backward amaxes too, so ranks that disagree on it fail at the forward reduction, before any of them
+    waits in a backward collective the others never start."""
+    return 2 * used + int(backward_follows)
+
 
 class _LayoutInfo:
     """What a reduction needs to know about one exact list of FP8 state tensors, computed once: the layout
     fingerprint, the device header, the history lengths, and (lazily) the device address table."""
 
-    __slots__ = ("fingerprint", "used", "history_lens", "header", "addresses")
+    __slots__ = ("fingerprint", "used", "history_lens", "_headers", "_device", "addresses")
 
     def __init__(self, metas: List[FP8Meta], device: torch.device):
         crc = 0
@@ -29,9 +37,18 @@ class _LayoutInfo:
         self.fingerprint = crc % _FINGERPRINT_MOD
         self.used = sum(m.num_tensors for m in metas)
         self.history_lens = {m.amax_history.shape[1] for m in metas}
-        fp = self.fingerprint
-        self.header = torch.tensor([fp, -fp, self.used, -self.used], dtype=torch.float32, device=device)
+        self._device = device
+        self._headers: Dict[bool, torch.Tensor] = {}
         self.addresses: Optional[torch.Tensor] = None
+
+    def header(self, backward_follows: bool) -> torch.Tensor:
+        """The device header `[fp, -fp, code, -code]` (made once per flag: no host-to-device copy per step)."""
+        h = self._headers.get(backward_follows)
+        if h is None:
+            fp, code = self.fingerprint, count_code(self.used, backward_follows)
+            h = self._headers[backward_follows] = torch.tensor([fp, -fp, code, -code], dtype=torch.float32,
+                                                               device=self._device)
+        return h
 
 
 # Layout facts per exact list of FP8 state tensors (keyed by their storage ids): a cache, no training state.
@@ -56,6 +73,10 @@ class AmaxTable:
     takes the max of both runs). Slots are views into one zero-initialised buffer that grows by doubling;
     growth copies the slots written so far. A slot view is current until the next registration grows the
     buffer (modules write their slots right after taking them; others call `slots()` again).
+
+    An empty table (this rank ran no FP8 module in the scope, or ran them with FP8 disabled) still joins its
+    group's reductions, with the empty layout: ranks that did register tensors then fail the layout check
+    together with it instead of waiting for it.
     """
 
     def __init__(self, direction: str, device: torch.device, capacity: int = 64):
@@ -108,8 +129,7 @@ class AmaxTable:
         if entry is not None:
             return entry[1]
         n = meta.num_tensors
-        if self._buffer is None:
-            self._buffer = torch.zeros(HEADER + max(self._capacity, n), device=self.device)
+        self._allocate(n)
         if HEADER + self._used + n > self._buffer.numel():
             grown = torch.zeros(HEADER + max(2 * (self._buffer.numel() - HEADER), self._used + n), device=self.device)
             grown[: HEADER + self._used].copy_(self._buffer[: HEADER + self._used])
@@ -118,6 +138,10 @@ class AmaxTable:
         self._order.append(meta)
         self._used += n
         return self._used - n
+
+    def _allocate(self, n: int = 0) -> None:
+        if self._buffer is None:
+            self._buffer = torch.zeros(HEADER + max(self._capacity, n), device=self.device)
 
     def _layout(self) -> _LayoutInfo:
         key = tuple([m.storage_id for m in self._order])
@@ -129,15 +153,23 @@ class AmaxTable:
         return info
 
     def reduce_and_update(
-        self, recipe: DelayedScaling, group: Optional[dist.ProcessGroup], fp8_max: float, scope: str
+        self, recipe: DelayedScaling, group: Optional[dist.ProcessGroup], fp8_max: float, scope: str,
+        backward_follows: bool = False,
     ) -> None:
         """One all-reduce(MAX) over `group` (if it has several ranks), then one batched history/scale update.
 
-        Layout safety. Every reduction carries the layout fingerprint and slot count in a 4-element header
-        (`[fp, -fp, n, -n]`: after the MAX every rank sees a disagreement as `h[0] != -h[1]` or
-        `h[2] != -h[3]`). When this rank's layout differs from the last one the group agreed on, it first
-        runs a check collective of exactly the size the agreed layout's reduction has, so it pairs with a
-        rank that reduces the old layout as well as with ranks that check. Every rank of that one collective
+        `backward_follows` (forward tables): this rank will reduce the key's backward amaxes as well (some FP8
+        call of the scope expects a backward, or one already ran). It is part of the layout the ranks must
+        agree on, so a rank whose FP8 calls all ran without a backward (under `no_grad`, frozen on detached
+        inputs) fails the forward reduction together with the others, none of them waiting in a backward
+        reduction that rank never starts. An empty table joins the reduction too (see the class docstring).
+
+        Layout safety. Every reduction carries the layout fingerprint, slot count and `backward_follows` in a
+        4-element header (`[fp, -fp, c, -c]` with `c = count_code(slots, backward_follows)`: after the MAX
+        every rank sees a disagreement as `h[0] != -h[1]` or `h[2] != -h[3]`). When this rank's layout
+        differs from the last one the group agreed on, it first runs a check collective of exactly the size
+        the agreed layout's reduction has, so it pairs with a rank that reduces the old layout as well as with
+        ranks that check. Every rank of that one collective
         reads its reduced header on the host and raises `AmaxLayoutMismatch` naming the scope, so all of
         them stop at the same collective and none is left waiting in a later one (on NCCL as on gloo).
 
@@ -148,15 +180,18 @@ class AmaxTable:
         the update on the device and shows in the tensors' `nonfinite_count` (layout changes are refused
         before capture, see `_check_layout_if_new`).
         """
-        if not self._order:
+        reduces = recipe.reduce_amax and group is not None and dist.get_world_size(group) > 1
+        if not self._order and not reduces:
             return
+        self._allocate()
         buf = self._buffer[: HEADER + self._used]
         amax = buf[HEADER:]
         on_cpu = self.device.type == "cpu"
         layout = self._layout()
-        if recipe.reduce_amax and group is not None and dist.get_world_size(group) > 1:
-            self._check_layout_if_new(group, (recipe, id(group), self.direction), layout.fingerprint, scope)
-            buf[:HEADER].copy_(layout.header)
+        if reduces:
+            self._check_layout_if_new(group, (recipe, id(group), self.direction), layout.fingerprint, scope,
+                                      backward_follows)
+            buf[:HEADER].copy_(layout.header(backward_follows))
             if on_cpu:  # the one collective of this table (gloo: bounded wait, never a hang)
                 self._all_reduce_checked(buf, group, scope, "reduction")
             else:
@@ -165,8 +200,10 @@ class AmaxTable:
                 mismatch = (buf[0] != -buf[1]) | (buf[2] != -buf[3])
                 amax = torch.where(mismatch, torch.full_like(amax, float("nan")), amax)
             else:  # every rank of the collective learns of a mismatch from it
-                self._check_header(buf[:HEADER], scope)
+                self._check_header(buf[:HEADER], scope, backward_follows)
         metas = self._order
+        if not metas:  # the group agreed on an empty layout: nothing to update
+            return
         if not on_cpu and not self.force_torch_update and self._fused_update(amax, recipe, fp8_max, layout):
             return
         sizes = [m.num_tensors for m in metas]
@@ -211,7 +248,8 @@ class AmaxTable:
             layout.addresses = torch.tensor(rows, dtype=torch.int64, device=self.device)
         return layout.addresses
 
-    def _check_layout_if_new(self, group: dist.ProcessGroup, cache_key: tuple, fp: int, scope: str) -> None:
+    def _check_layout_if_new(self, group: dist.ProcessGroup, cache_key: tuple, fp: int, scope: str,
+                             backward_follows: bool) -> None:
         agreed = _AGREED_LAYOUTS.get(cache_key)
         if agreed == (fp, self._used):
             return
@@ -221,9 +259,10 @@ class AmaxTable:
                 f"CUDA graph is being captured; run one eager step first"
             )
         probe = torch.zeros(HEADER + (agreed[1] if agreed else 0), device=self.device)
-        probe[:HEADER] = torch.tensor([fp, -fp, self._used, -self._used], dtype=torch.float32)
+        code = count_code(self._used, backward_follows)
+        probe[:HEADER] = torch.tensor([fp, -fp, code, -code], dtype=torch.float32)
         self._all_reduce_checked(probe, group, scope, "layout check")
-        self._check_header(probe[:HEADER], scope)
+        self._check_header(probe[:HEADER], scope, backward_follows)
         _AGREED_LAYOUTS[cache_key] = (fp, self._used)
 
     def _all_reduce_checked(self, buf: torch.Tensor, group: dist.ProcessGroup, scope: str, what: str) -> None:
@@ -236,16 +275,27 @@ class AmaxTable:
                 f"({self._describe()}); other ranks of the group registered a different layout ({e})"
             ) from e
 
-    def _check_header(self, header: torch.Tensor, scope: str) -> None:
+    def _check_header(self, header: torch.Tensor, scope: str, backward_follows: bool = False) -> None:
         h = header.tolist()
-        if h[0] != -h[1] or h[2] != -h[3]:
+        if h[0] == -h[1] and h[2] == -h[3]:
+            return
+        low, high = int(-h[3]), int(h[2])  # the smallest and largest count code over the ranks
+        if h[0] == -h[1] and low // 2 == high // 2:  # the same tensors; only `backward_follows` differs
             raise AmaxLayoutMismatch(
-                f"{scope} {self.direction}: ranks registered different FP8 tensor layouts: slot counts range "
-                f"{int(-h[3])}..{int(h[2])}, layout fingerprints differ; this rank has {self._used} slots "
+                f"{scope} {self.direction}: ranks disagree on whether a backward follows: on some ranks FP8 "
+                f"calls of this scope expect a backward, on others none does (all ran under no_grad, or frozen "
+                f"on inputs that need no grad); this rank {'expects one' if backward_follows else 'expects none'} "
                 f"({self._describe()})"
             )
+        differ = "layout fingerprints differ" if h[0] != -h[1] else "layout fingerprints agree"
+        raise AmaxLayoutMismatch(
+            f"{scope} {self.direction}: ranks registered different FP8 tensor layouts: slot counts range "
+            f"{low // 2}..{high // 2}, {differ}; this rank has {self._used} slots ({self._describe()})"
+        )
 
     def _describe(self, limit: int = 6) -> str:
+        if not self._order:
+            return "no FP8 tensors: it ran no FP8 module in this scope, or ran them with FP8 disabled"
         tags = [f"{m.tag}[{m.num_tensors}]" for m in self._order[:limit]]
         more = f", ... {len(self._order) - limit} more" if len(self._order) > limit else ""
         return ", ".join(tags) + more

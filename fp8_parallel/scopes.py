@@ -84,9 +84,14 @@ class KeyState:
             self.reduce_backward()
 
     def reduce_forward(self) -> None:
+        """Reduce the forward amaxes. The ranks also agree here on whether a backward reduction follows (some
+        call expects a backward, or one already ran), so no rank waits in one that another never starts."""
         if isinstance(self.recipe, DelayedScaling):
             fmt = self.recipe.fp8_format
-            self.forward.reduce_and_update(self.recipe, self.group, fmt.forward_max, self.name)
+            with self._lock:
+                follows = self.pending_backward > 0 or len(self.backward) > 0
+            self.forward.reduce_and_update(self.recipe, self.group, fmt.forward_max, self.name,
+                                           backward_follows=follows)
 
     def reduce_backward(self) -> None:
         if isinstance(self.recipe, DelayedScaling):

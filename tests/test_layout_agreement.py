@@ -1,10 +1,14 @@
-"""A layout change on one rank of an amax group raises `AmaxLayoutMismatch` on every rank, within seconds."""
+"""A layout change on one rank of an amax group raises `AmaxLayoutMismatch` on every rank, within seconds (the
+launch has a timeout: a hang fails the test). Includes a rank whose scope reduces nothing."""
 import pytest
 import torch
 
 from launcher import launch
 
-CHECKS = ["extra_module_on_one_rank", "missing_module_on_one_rank", "backward_layout_change_on_one_rank"]
+CHECKS = ["extra_module_on_one_rank", "missing_module_on_one_rank", "backward_layout_change_on_one_rank",
+          # one rank whose scope reduces nothing (no FP8 module, FP8 disabled inside the scope, no backward)
+          "no_fp8_module_on_one_rank", "fp8_disabled_on_one_rank", "empty_on_one_rank_from_the_first_iteration",
+          "no_backward_on_one_rank"]
 
 
 def test_layout_change_on_one_rank_raises_everywhere_gloo():

@@ -5,8 +5,10 @@ Usage (under torchrun, 2 or more ranks): layout_agreement_checks.py
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,32 +43,35 @@ def _input(step: int) -> torch.Tensor:
     return (torch.randn(16, H, generator=g) * (1 + RANK)).to(DEVICE, DTYPE).requires_grad_()
 
 
-def _step(layers, step: int, order=(0, 1, 2), frozen_last: bool = False) -> None:
+def _step(layers, step: int, order=(0, 1, 2), frozen_last: bool = False, recipe=RECIPE,
+          inner: Optional[Callable[[], ContextManager]] = None) -> None:
     """One iteration over `order`; `frozen_last`: the last layer runs frozen on a detached input (its call
-    expects no backward, so the backward layout has one module fewer than the forward one)."""
-    with fp.autocast(recipe=RECIPE, group=dist.group.WORLD):
-        h, loss = _input(step), 0.0
-        for n, i in enumerate(order):
-            last = n == len(order) - 1
-            if last and frozen_last:
-                layers[i].requires_grad_(False)
-                h = h.detach()
-            h = torch.tanh(_out(layers[i](h)))
-            loss = loss + h.float().sum()
+    expects no backward, so the backward layout has one module fewer than the forward one). `inner`: a
+    context the layers run in, inside the scope (a nested disabled scope, `torch.no_grad()`)."""
+    with fp.autocast(recipe=recipe, group=dist.group.WORLD):
+        with inner() if inner is not None else contextlib.nullcontext():
+            h, loss = _input(step), 0.0
+            for n, i in enumerate(order):
+                last = n == len(order) - 1
+                if last and frozen_last:
+                    layers[i].requires_grad_(False)
+                    h = h.detach()
+                h = torch.tanh(_out(layers[i](h)))
+                loss = loss + h.float().sum()
     try:
         loss.backward()
     finally:
         layers.requires_grad_(True)
 
 
-def _assert_raises_here(fn, direction: str) -> None:
+def _assert_raises_here(fn, direction: str, words: str = "") -> None:
     t0 = time.monotonic()
     try:
         fn()
     except fp.AmaxLayoutMismatch as e:
         elapsed = time.monotonic() - t0
         assert elapsed < RAISE_WITHIN_S, f"rank {RANK} raised only after {elapsed:.1f}s"
-        assert "fp8 autocast scope" in str(e) and direction in str(e), str(e)
+        assert "fp8 autocast scope" in str(e) and direction in str(e) and words in str(e), str(e)
     else:
         raise AssertionError(f"rank {RANK}: no AmaxLayoutMismatch")
 
@@ -113,10 +118,60 @@ def check_backward_layout_change_on_one_rank():
     _assert_in_step(layers)
 
 
+def check_no_fp8_module_on_one_rank():
+    """Iteration 3: rank 1 opens the scope but runs no FP8 module (its tables are empty). It joins the
+    forward reduction with the empty layout, and every rank raises from that collective."""
+    layers = _layers(3, 4)
+    for step in range(3):
+        _step(layers, step)
+    order = () if RANK == 1 else (0, 1, 2)
+    empty = "no FP8 tensors" if RANK == 1 else "slot counts range 0..6"
+    _assert_raises_here(lambda: _step(layers, 3, order=order), "forward", empty)
+    _assert_in_step(layers)
+
+
+def check_fp8_disabled_on_one_rank():
+    """Iteration 3: rank 1 runs its layers inside a nested `autocast(enabled=False)` (high precision): the
+    enabled scope's tables are empty on that rank, which joins with the empty layout; every rank raises."""
+    layers = _layers(3, 5)
+    for step in range(3):
+        _step(layers, step)
+    inner = (lambda: fp.autocast(enabled=False)) if RANK == 1 else None
+    _assert_raises_here(lambda: _step(layers, 3, inner=inner), "forward", "slot counts range 0..6")
+    _assert_in_step(layers)
+
+
+def check_empty_on_one_rank_from_the_first_iteration():
+    """A new scope key (a recipe not used before: no layout agreed yet) whose first iteration is empty on
+    rank 1: its empty check collective pairs with the other ranks' first check; every rank raises."""
+    layers = _layers(3, 6)
+    recipe = fp.DelayedScaling(amax_history_len=3)
+    order = () if RANK == 1 else (0, 1, 2)
+    _assert_raises_here(lambda: _step(layers, 0, order=order, recipe=recipe), "forward", "slot counts range 0..6")
+    for step in (1, 2):  # the key then works as usual
+        _step(layers, step, recipe=recipe)
+
+
+def check_no_backward_on_one_rank():
+    """Iteration 3: on rank 1 every FP8 call of the scope runs under `torch.no_grad()` (no backward follows),
+    while rank 0 trains. The forward layouts agree, but rank 0 would wait in a backward reduction that rank 1
+    never starts: both raise at the forward reduction instead, naming the backward."""
+    layers = _layers(3, 7)
+    for step in range(3):
+        _step(layers, step)
+    inner = torch.no_grad if RANK == 1 else None
+    _assert_raises_here(lambda: _step(layers, 3, inner=inner), "forward", "whether a backward follows")
+    _assert_in_step(layers)
+
+
 print(f"layout agreement checks, seed {test_seed()}, backend {dist.get_backend()}", flush=True)
 run_checks([
     ("extra_module_on_one_rank", check_extra_module_on_one_rank),
     ("missing_module_on_one_rank", check_missing_module_on_one_rank),
     ("backward_layout_change_on_one_rank", check_backward_layout_change_on_one_rank),
+    ("no_fp8_module_on_one_rank", check_no_fp8_module_on_one_rank),
+    ("fp8_disabled_on_one_rank", check_fp8_disabled_on_one_rank),
+    ("empty_on_one_rank_from_the_first_iteration", check_empty_on_one_rank_from_the_first_iteration),
+    ("no_backward_on_one_rank", check_no_backward_on_one_rank),
 ])
 dist.destroy_process_group()

@@ -11,7 +11,7 @@ setup(
     # README's commands install the CPU build first, so nothing here pulls a CUDA build.
     install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging", "psutil", "tqdm", "matplotlib", "tensorboard"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "pytest-rerunfailures>=14", "torchao>=0.14"],
+        "test": ["pytest>=8", "pytest-timeout", "torchao>=0.14"],
         "gpu": ["triton"],
     },
 )

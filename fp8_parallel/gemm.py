@@ -12,7 +12,9 @@ neither, so this wrapper does, on every device.
 
 Alignment. An unaligned K or N is refused (`FP8GemmShapeError` naming the sizes) unless the caller asks for
 padding with `pad=True`: then both operands are zero-padded to multiples of 16 (exact: padding adds zero
-terms to every dot product, and zero columns that are dropped). Whatever the path, the result is an ordinary
+terms to every dot product, and zero columns that are dropped). An operand stored by `zero_padded` (the FP8
+weight of a layer with unaligned features and its transpose, padded once when cast) is used in place; any
+other operand is copied into a padded buffer for this call. Whatever the path, the result is an ordinary
 contiguous tensor of shape `[M, N]`, never a view into a padded buffer (a strided view is silently dropped by
 communication that works on `.contiguous()` copies, as megatron's tensor-parallel all-reduce does). An empty
 M or K gives a zero-filled result without a GEMM.
@@ -26,6 +28,7 @@ import torch
 from .tensor import Float8Tensor
 
 ALIGN = 16
+_PADDED = "_fp8_padded_storage"  # attribute of a `zero_padded` view: its whole zero-padded buffer
 
 
 class FP8GemmShapeError(ValueError):
@@ -68,6 +71,27 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def zero_padded(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty `[rows, cols]` tensor stored at the top left of a zeroed buffer whose sizes are rounded up to
+    multiples of 16 (`ALIGN`). `fp8_gemm(..., pad=True)` multiplies such an operand through its whole buffer
+    without copying it: write the values into the returned view only, so the padding stays zero."""
+    base = torch.zeros((_round_up(rows), _round_up(cols)), dtype=torch.uint8, device=device).view(dtype)
+    view = base[:rows, :cols]
+    setattr(view, _PADDED, base)  # on this view object only: a slice of it is a new object, without it
+    return view
+
+
+def _padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """`data` zero-padded to `[rows, cols]`: the buffer it is stored in when it is a `zero_padded` view of that
+    size, else a padded copy."""
+    if data.shape == (rows, cols):
+        return data
+    base = getattr(data, _PADDED, None)
+    if base is not None and base.shape == (rows, cols) and base.dtype == data.dtype:
+        return base
+    return _pad_rows(_pad_cols(data, cols), rows)
+
+
 def fp8_gemm(
     a: Float8Tensor,
     b: Float8Tensor,
@@ -107,7 +131,7 @@ def fp8_gemm(
                 f"b {tuple(b._data.shape)}); pass pad=True for exact zero padding"
             )
         kp, np_ = _round_up(k), _round_up(n)
-        a_data, b_data = _pad_cols(a_data, kp), _pad_rows(_pad_cols(b_data, kp), np_)
+        a_data, b_data = _padded(a_data, m, kp), _padded(b_data, np_, kp)
     result_dtype = out_dtype
     bias_arg = None
     if bias is not None:

@@ -1,7 +1,8 @@
 """One-pass FP8 quantization: saturating cast, amax into a slot, optional transpose. No host sync.
 
 On CUDA (with Triton) a fused kernel reads the input once and writes the data, the transpose and the amax;
-elsewhere plain torch ops compute the same values. The amax of a tensor holding NaN is recorded as +inf
+elsewhere, and for outputs stored in zero-padded buffers (`padded_fp8`), plain torch ops compute the same
+values. The amax of a tensor holding NaN is recorded as +inf
 (non-finite), on both paths.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from .gemm import zero_padded
 from .tensor import Float8Tensor, cast_to_fp8
 
 _INF = float("inf")
@@ -21,6 +23,18 @@ def _use_triton(x: torch.Tensor) -> bool:
     from . import triton_kernels
 
     return triton_kernels.AVAILABLE
+
+
+def padded_fp8(rows: int, cols: int, fp8_dtype: torch.dtype, dtype: torch.dtype, device: torch.device,
+               with_transpose: bool = False) -> Float8Tensor:
+    """An empty `[rows, cols]` Float8Tensor (standing for `dtype`) whose data, and transpose buffer when asked
+    for, are stored in zero-padded buffers aligned for the FP8 GEMM (`gemm.zero_padded`): an `out` for
+    `quantize` that `fp8_gemm(..., pad=True)` then multiplies without padding it again."""
+    out = Float8Tensor(zero_padded(rows, cols, fp8_dtype, device), torch.empty((), dtype=torch.float32, device=device),
+                       dtype)
+    if with_transpose:
+        out._transpose_cache.buffer = zero_padded(cols, rows, fp8_dtype, device)
+    return out
 
 
 def quantize(
@@ -60,7 +74,9 @@ def quantize(
             f"input needs {tuple(x.shape)} / {fp8_dtype}"
         )
     transpose = Float8Tensor(out._transpose_buffer(), out._scale_inv, out.dtype) if with_transpose else None
-    if not force_torch and _use_triton(x) and x.numel() > 0:
+    # the fused kernel writes contiguous outputs; views into padded buffers take the torch path
+    dense = out._data.is_contiguous() and (transpose is None or transpose._data.is_contiguous())
+    if not force_torch and dense and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
         quantize_2d(x, scale, out, transpose, amax_out, noop_flag)
@@ -103,15 +119,20 @@ def _quantize_torch(
         amax_out.copy_(_keep_where(noop_flag, amax_out.reshape(()), new).reshape(amax_out.shape))
 
 
-def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, force_torch: bool = False) -> Float8Tensor:
+def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, force_torch: bool = False,
+                        padded: bool = False) -> Float8Tensor:
     """The FP8 cast of `x.T` (`x` viewed as `[M, K]`, result `[K, M]`), in one pass that writes only the
-    transpose (e.g. a weight's dgrad operand, re-cast in backward instead of held since forward)."""
+    transpose (e.g. a weight's dgrad operand, re-cast in backward instead of held since forward). `padded`:
+    store the result in a zero-padded buffer (`padded_fp8`; torch path)."""
     if scale.numel() != 1:
         raise ValueError(f"quantize_transposed: scale must have one element, got shape {tuple(scale.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
-    t = Float8Tensor(torch.empty((x2.shape[1], x2.shape[0]), dtype=fp8_dtype, device=x.device),
-                     torch.empty((), dtype=torch.float32, device=x.device), x.dtype)
-    if not force_torch and _use_triton(x) and x.numel() > 0:
+    if padded:
+        t = padded_fp8(x2.shape[1], x2.shape[0], fp8_dtype, x.dtype, x.device)
+    else:
+        t = Float8Tensor(torch.empty((x2.shape[1], x2.shape[0]), dtype=fp8_dtype, device=x.device),
+                         torch.empty((), dtype=torch.float32, device=x.device), x.dtype)
+    if not force_torch and not padded and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
         holder = Float8Tensor(t._data, t._scale_inv, x.dtype)  # provides scale_inv; no row-major data

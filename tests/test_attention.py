@@ -100,8 +100,10 @@ def test_spec_uses_sdpa_attention_by_default():
         get_gpt_layer_spec(attention_backend="flash")
 
 
-@pytest.mark.flaky(reruns=2)  # FP8 tolerances at a few tokens fail for some seeds (seen once in a full run, not reproduced alone); each rerun draws a fresh seed
 def test_megatron_attention_and_context_parallel():
+    """Random per launch; FP8P_TEST_SEED=<seed> reproduces one. The FP8 CP2-vs-CP1 check once compared two FP8
+    runs at float32 accuracy, which an FP8 rounding flip breaks (FP8P_TEST_SEED=1); it now checks the FP8
+    state bit for bit over the CP group and the CP1 results within FP8's own error (workers/attention_checks)."""
     launch("attention_checks.py", 2, timeout=900, expect_checks=[
         "matches_megatron_dot_product_attention", "errors", "dropout_under_rng_tracker", "gpt_cp1_reference",
         "cp2_attention_matches_full_sequence", "gpt_mha_learned_cp2_matches_cp1", "gpt_gqa_rope_cp2_matches_cp1",

@@ -222,7 +222,8 @@ def test_tensor_parallel_linears_tp1_tp2_tp4():
     launch("differential_checks.py", 4, ["tp"], timeout=900, expect_checks=tp_check_names())
 
 
-@pytest.mark.flaky(reruns=2)  # fails for some seeds: seed 2233635159, delayed, experts of 4 and 13 tokens: grad errors
-# 0.13-0.15 against the 0.12 bound (1 run in 4 here); each rerun draws a fresh seed. Tolerance or defect: open.
 def test_grouped_experts_and_transformer_block():
+    """Random per launch; FP8P_TEST_SEED=<seed> reproduces one. Seeds 2233635159 and 708325428 once failed the
+    grouped delayed check: an expert's tokens grew 3 -> 13 between steps and its grad_output amax with them
+    (1.8x the history's), which saturated under margin 0; the check's recipe now has margin 2."""
     launch("differential_checks.py", 2, ["layer"], timeout=900, expect_checks=LAYER_CHECKS)

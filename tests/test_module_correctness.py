@@ -1,5 +1,6 @@
-"""Correctness of the FP8 linears where results used to be silently wrong: unaligned tensor-parallel sizes,
-experts without tokens, replaced FP8 buffers and the address table of the fused amax update."""
+"""Correctness of the FP8 linears where results used to be silently wrong: unaligned tensor-parallel sizes
+(and their weight padded once, when cast), experts without tokens, replaced FP8 buffers and the address table
+of the fused amax update."""
 import pytest
 import torch
 
@@ -7,8 +8,10 @@ import fp8_parallel as fp
 from launcher import launch
 
 
-@pytest.mark.flaky(reruns=2)  # FP8 tolerances at a few tokens fail for some seeds (seen once in a full run, not reproduced alone); each rerun draws a fresh seed
 def test_tp2_unaligned_sizes_match_references():
+    """TP2 column -> gelu -> row, 30 -> 50 -> 30 (25 features per rank), against float64 and single-rank FP8.
+    Random per launch; FP8P_TEST_SEED=<seed> reproduces one (e.g. 3146414574: its preset step-0 scales used
+    to saturate the gelu output, 13% off; the check now presets scales that cannot saturate)."""
     launch("correctness_checks.py", 2, ["tp2"], timeout=400,
            expect_checks=["tp2_unaligned_delayed", "tp2_unaligned_current"])
 
@@ -16,6 +19,64 @@ def test_tp2_unaligned_sizes_match_references():
 def test_experts_without_tokens_keep_the_amax_layout():
     launch("correctness_checks.py", 2, ["ep"], timeout=400,
            expect_checks=["empty_experts_delayed", "empty_experts_current", "grouped_weight_caching"])
+
+
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(amax_history_len=4), fp.CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("first", [None, True], ids=["uncached", "cached"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unaligned_weight_is_padded_once_when_cast(recipe, first, device, monkeypatch):
+    """A layer with unaligned features (25 x 30) casts its FP8 weight into zero-padded aligned storage (and the
+    cached transpose, or the one re-cast in backward): its GEMMs copy only the per-call operands. Outputs and
+    gradients are bitwise those of a dense weight cast padded by every GEMM (zero padding is exact; on CUDA the
+    padded cast takes the torch path and the dense one the fused kernel, which must agree bit for bit)."""
+    import os
+
+    import fp8_parallel.gemm as gemm
+    import fp8_parallel.modules._core as core
+    from fp8_parallel.modules import FP8State, fp8_linear
+
+    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
+    gen = torch.Generator().manual_seed(seed)
+    w, b = (torch.randn(25, 30, generator=gen) / 30**0.5).to(device), torch.randn(25, generator=gen).to(device)
+    batches = [((torch.randn(21, 30, generator=gen) * 2).to(device), torch.randn(21, 25, generator=gen).to(device))
+               for _ in range(3)]
+    copied = []  # operand shapes padded by copy
+    real_pad_cols = gemm._pad_cols
+    monkeypatch.setattr(gemm, "_pad_cols", lambda d, c: copied.append(tuple(d.shape)) or real_pad_cols(d, c))
+
+    def run():
+        st, wp, bp = FP8State("t", device=device), w.clone().requires_grad_(), b.clone().requires_grad_()
+        outs = []
+        for i, (x, dy) in enumerate(batches):
+            xr = x.clone().requires_grad_()
+            with fp.autocast(recipe=recipe, group=None):
+                y = fp8_linear(xr, wp, bp, st, is_first_microbatch=first if first is None or i == 0 else False)
+            y.backward(dy)
+            outs += [y.detach(), xr.grad]
+        return outs + [wp.grad, bp.grad], st
+
+    padded, st = run()
+    if first is not None:  # the cache: data and transpose in zero-padded storage, padding still zero
+        for view in (st.weight_fp8._data, st.weight_fp8.transpose_2d()._data):
+            base = getattr(view, gemm._PADDED)
+            assert base.shape == (32, 32) and view.shape in ((25, 30), (30, 25))
+            rest = base.view(torch.uint8).clone()
+            rest[: view.shape[0], : view.shape[1]] = 0
+            assert not rest.any(), "padding of the stored FP8 weight is not zero"
+    # per step: input (21 x 30) in fprop, grad_output (21 x 25) in dgrad, both transposes in wgrad; no weight
+    assert copied == [(21, 30), (21, 25), (25, 21), (30, 21)] * 3, copied
+    copied.clear()
+    # the dense reference: every weight cast (and backward re-cast of its transpose) into ordinary storage
+    monkeypatch.setattr(core, "_weight_out", lambda weight, dtype, reuse, with_transpose: reuse)
+    real_transposed = core.quantize_transposed
+    monkeypatch.setattr(core, "quantize_transposed",
+                        lambda x, scale, dtype, padded=False: real_transposed(x, scale, dtype))
+    dense, _ = run()
+    assert (25, 30) in copied and (30, 25) in copied, copied  # the dense weight was padded by the GEMMs
+    for i, (p, d) in enumerate(zip(padded, dense)):
+        assert torch.equal(p, d), f"result {i} differs from padding a dense weight cast"
 
 
 def _expected_addresses(metas):

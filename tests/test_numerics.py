@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ MIN_SUBNORMAL = {E4M3: 2.0**-9, E5M2: 2.0**-16}
 
 @pytest.fixture
 def gen():
-    seed = int.from_bytes(__import__("os").urandom(4), "little")
-    print(f"seed {seed}")  # shown for a failing test: reproduce with this seed
+    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed {seed} (FP8P_TEST_SEED={seed} reproduces)")  # shown for a failing test
     return torch.Generator().manual_seed(seed)
 
 
@@ -244,16 +245,22 @@ def test_transpose_never_stale_after_inplace_update(gen, update):
     assert not torch.allclose(first, second)
 
 
-@pytest.mark.flaky(reruns=2)  # failed once in a full run for an unprinted seed (expected computes -0.1*g in
-# float32; SGD may round its step differently for a few elements); not reproduced alone: open
 def test_inplace_update_requantizes_with_the_same_scale(gen):
+    """An optimizer step on an FP8 parameter applies the optimizer's own float32 op to the dequantized values
+    and re-quantizes with the unchanged scale. The expectation is that same op (`add_(g, alpha=-lr)`, which
+    rounds once, fused): `w - 0.1 * g` rounds twice and differs by one float32 ulp, enough to move a value
+    across an E4M3 rounding boundary for ~1% of seeds (e.g. FP8P_TEST_SEED=89)."""
     w, _ = _q(gen, 32, 16)
     g = _rand(gen, 32, 16, dtype=torch.bfloat16)
-    expected = quantize(w.dequantize(torch.float32) - 0.1 * g.float(), w._scale_inv.reciprocal().reshape(1), E4M3)
+    scale_inv, before = w._scale_inv.clone(), w._data.view(torch.uint8).clone()
+    stepped = w.dequantize(torch.float32).add_(g, alpha=-0.1)
+    expected = quantize(stepped, scale_inv.reciprocal().reshape(1), E4M3)
     p = torch.nn.Parameter(w)
     p.grad = g
     torch.optim.SGD([p], lr=0.1).step()
+    assert torch.equal(p._scale_inv, scale_inv)
     assert torch.equal(p._data.view(torch.uint8), expected._data.view(torch.uint8))
+    assert not torch.equal(p._data.view(torch.uint8), before), "the step changed nothing"
 
 
 def test_explicit_transpose_mode_and_noop_flag(gen):
@@ -306,6 +313,39 @@ def test_gemm_matches_dequantized_float64(gen, m, k, n, out_dtype, with_bias):
     if not aligned:
         with pytest.raises(FP8GemmShapeError, match=f"K={k} and N={n} must be multiples of 16"):
             fp8_gemm(a, b, out_dtype)
+
+
+def test_gemm_uses_an_operand_stored_zero_padded_in_place(gen, monkeypatch):
+    """An operand quantized into `padded_fp8` storage (a weight padded once, when cast) is multiplied through
+    its zero-padded buffer: no copy, the same bytes as padding a dense cast. A slice of such an operand is a
+    different tensor, padded by copy (its buffer holds values beyond the slice)."""
+    import fp8_parallel.gemm as gemm
+    from fp8_parallel.quantize import padded_fp8
+
+    copies = []
+    real_pad_cols = gemm._pad_cols
+    monkeypatch.setattr(gemm, "_pad_cols", lambda d, c: copies.append(tuple(d.shape)) or real_pad_cols(d, c))
+    x = _rand(gen, 24, 30, dtype=torch.bfloat16)
+    w = _rand(gen, 25, 30, dtype=torch.bfloat16)
+    scale = (448.0 / w.float().abs().max()).reshape(1)
+    dense = quantize(w, scale, E4M3, with_transpose=True)
+    stored = quantize(w, scale, E4M3, with_transpose=True, out=padded_fp8(25, 30, E4M3, w.dtype, w.device, True))
+    assert torch.equal(stored._data.view(torch.uint8), dense._data.view(torch.uint8))
+    qx = quantize(x, (448.0 / x.float().abs().max()).reshape(1), E4M3)
+    want = fp8_gemm(qx, dense, torch.float32, pad=True)
+    assert copies == [(24, 30), (25, 30)]  # input and dense weight padded for this call
+    copies.clear()
+    got = fp8_gemm(qx, stored, torch.float32, pad=True)
+    assert copies == [(24, 30)] and torch.equal(got, want)  # only the input
+    qg = quantize(_rand(gen, 24, 25, dtype=torch.bfloat16), torch.ones(1), E5M2)
+    copies.clear()
+    assert torch.equal(fp8_gemm(qg, stored.transpose_2d(), torch.float32, pad=True),
+                       fp8_gemm(qg, dense.transpose_2d(), torch.float32, pad=True))
+    assert copies == [(24, 25), (24, 25), (30, 25)]  # the stored transpose is used in place
+    part = Float8Tensor(stored._data[:20], stored._scale_inv, stored.dtype)  # rows 20..24 stay in its buffer
+    copies.clear()
+    assert torch.equal(fp8_gemm(qx, part, torch.float32, pad=True), want[:, :20])
+    assert copies == [(24, 30), (20, 30)]
 
 
 @pytest.mark.parametrize("m,k", [(0, 32), (24, 0), (0, 0)])

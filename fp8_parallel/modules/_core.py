@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..scopes import current_scope
 from ..gemm import fp8_gemm
 from ..meta import FP8Meta
-from ..quantize import quantize, quantize_transposed
+from ..quantize import padded_fp8, quantize, quantize_transposed
 from ..recipe import CurrentScaling, Recipe
 from ..scaling import current_scale
 from ..tensor import Float8Tensor
@@ -187,11 +187,22 @@ def _input_scale(x: torch.Tensor, plan: _Plan, fp8_dtype: torch.dtype) -> torch.
     return plan.saved_forward_scale(FWD_INPUT)
 
 
+def _weight_out(weight: torch.Tensor, fmt_dtype: torch.dtype, reuse: Optional[Float8Tensor],
+                with_transpose: bool) -> Optional[Float8Tensor]:
+    """Where a weight cast goes: `reuse` (the cache, rewritten in place); for a layer with unaligned features
+    a new Float8Tensor in zero-padded aligned buffers (data, and transpose when cached), so its GEMMs use the
+    weight as cast, never padding it per call; else None (a fresh, dense cast)."""
+    if reuse is not None or not features_unaligned(weight):
+        return reuse
+    return padded_fp8(weight.shape[0], weight.shape[1], fmt_dtype, weight.dtype, weight.device, with_transpose)
+
+
 def cast_weight(
     weight: torch.Tensor, state: FP8State, plan: _Plan, is_first_microbatch: Optional[bool]
 ) -> Float8Tensor:
     """The FP8 weight (with its transpose, for dgrad): cast now, or the cached cast (`is_first_microbatch`
-    False) with the scale_inv it was cast with. The cache holds data + transpose (2 bytes per parameter)."""
+    False) with the scale_inv it was cast with. The cache holds data + transpose (2 bytes per parameter;
+    a layer with unaligned features holds them in zero-padded aligned buffers, see `features_unaligned`)."""
     fmt = plan.recipe.fp8_format
     slot = plan.forward_slots[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_slots is not None else None
     scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_scale is not None else None
@@ -200,15 +211,18 @@ def cast_weight(
     noop_flag = getattr(plan.key_state, "weight_noop_flag", None)
     if noop_flag is not None:  # recorded for a graphed callable with weight caching: the flag decides on replay
         return _cast_weight_under_flag(weight, state, plan, noop_flag, scale, slot)
-    if is_first_microbatch is None:
-        return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype)  # transpose re-cast in backward
+    if is_first_microbatch is None:  # transpose re-cast in backward
+        return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype,
+                     out=_weight_out(weight, fmt.forward_dtype, None, with_transpose=False))
     cached = state.weight_fp8
     # a cache is never used stale: a weight updated in place since it was cached (an optimizer step without
     # a new first microbatch) is cast again
     stale = cached is None or cached.shape != weight.shape or state.weight_version != weight._version
     if is_first_microbatch or stale:
         reuse = cached if cached is not None and cached.shape == weight.shape else None
-        state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype, out=reuse, with_transpose=True)
+        state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype,
+                                 out=_weight_out(weight, fmt.forward_dtype, reuse, with_transpose=True),
+                                 with_transpose=True)
         state.weight_version = weight._version
     # a reused cast registers no weight amax (the weight is unchanged since its cast, whose amax was
     # recorded), so its history is not rolled again and no pass over the weight is spent per microbatch
@@ -220,8 +234,10 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
     transpose, scale_inv and the weight's amax slot are left as they are)."""
     cached = state.weight_fp8
     reuse = cached if cached is not None and cached.shape == weight.shape else None
-    state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, plan.recipe.fp8_format.forward_dtype, out=reuse,
-                             with_transpose=True, noop_flag=noop_flag)
+    fp8_dtype = plan.recipe.fp8_format.forward_dtype
+    out = _weight_out(weight, fp8_dtype, reuse, with_transpose=True)
+    state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fp8_dtype, out=out, with_transpose=True,
+                             noop_flag=noop_flag)
     state.weight_version = None  # eager calls re-cast before trusting a cache written under a device flag
     plan.key_state.cached_weights.append(weight)
     return state.weight_fp8
@@ -287,7 +303,7 @@ def _weight_transposed(saved, cached, plan: _Plan, w_dtype: torch.dtype) -> Floa
         from ..recipe import fp8_max
 
         w_scale = current_scale(_amax(weight), fp8_max(fmt.forward_dtype), plan.recipe.eps).reshape(1)
-    return quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype)
+    return quantize_transposed(weight.detach(), w_scale, fmt.forward_dtype, padded=features_unaligned(weight))
 
 
 def _backward_slot(plan: _Plan, state: FP8State):
@@ -308,9 +324,14 @@ def _backward_done(plan: _Plan) -> None:
 
 def features_unaligned(weight: torch.Tensor) -> bool:
     """Whether a layer's (per-rank) features, `weight: [out, in]`, are not both multiples of 16, the FP8
-    GEMMs' alignment. Fixed by the layer's shape: such a layer's GEMMs zero-pad (exact) on every call, an
-    aligned layer's never do. The token count is free, except as the K of the weight-gradient GEMM, which pads
-    that GEMM alone when the count is unaligned."""
+    GEMMs' alignment. Fixed by the layer's shape; zero padding is exact. Such a layer casts its FP8 weight and
+    the weight's transpose into zero-padded aligned buffers (`quantize.padded_fp8`), once per cast (a cached
+    weight: once per first microbatch), so the GEMMs never pad the weight. What they pad per call is the
+    other operand, a fresh tensor every call: the FP8 input in forward (in-features columns) and the FP8
+    grad_output in dgrad (out-features columns), and in wgrad both transposed operands (features rows; tokens
+    columns when the count is unaligned: the token count is free, and the wgrad GEMM of an aligned layer pads
+    alone when it is not a multiple of 16). An FP8 parameter (the weight stored as a Float8Tensor) is padded
+    per call. An aligned layer's GEMMs never pad (wgrad aside, as said)."""
     from ..gemm import ALIGN
 
     return weight.shape[0] % ALIGN != 0 or weight.shape[-1] % ALIGN != 0

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
+from differential_common import LAYER_GRAD_TOL
 from rank_checks import run_checks, test_seed
 
 ps.initialize(cp=1)
@@ -187,6 +188,7 @@ GPT_CASES = {  # name -> (num_query_groups, position embedding, FP8)
     "gpt_fp8": (4, "learned_absolute", True),  # amaxes reduced over CP too: the same scales as CP1
 }
 REFERENCE = {}
+FP8_LOSS_TOL = 5e-3  # see _check_gpt_cp: FP8's loss error on this model, measured up to 3e-3
 
 
 def _gpt(groups: int, pos_type: str, fp8: bool, cp: int) -> GPTModel:
@@ -307,13 +309,31 @@ def _check_gpt_cp(name: str):
         scales = [v for k, v in model.state_dict().items() if k.endswith("fp8.fwd.scale")]
         assert scales and all(torch.isfinite(v).all() for v in scales), "no FP8 state"
         assert any((v != 1).any() for v in scales), "FP8 scales never updated: FP8 did not run"
-        # FP8: the same scales (amaxes reduced over CP); a value on an FP8 rounding boundary may still round
-        # the other way after a different float32 accumulation order: compare gradient norms, not elements
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
+        # amaxes reduced over CP: every FP8 buffer is the same on both CP ranks, bit for bit. The histories
+        # (length 4) hold the amaxes of all four passes (calibration + STEPS), so this covers every step.
+        cp_group = mpu.get_context_parallel_group()
+        for k, v in model.state_dict().items():
+            if ".fp8." in k and v.is_floating_point():
+                parts = [torch.empty_like(v) for _ in range(dist.get_world_size(cp_group))]
+                dist.all_gather(parts, v.contiguous(), group=cp_group)
+                assert all(torch.equal(p, v) for p in parts), f"{name} {k} differs over the CP group: {parts}"
+        # Against CP1, the same scales but float32 values that differ by ulps (CP sums the gradients in another
+        # order). An FP8 cast rounds them alike except a value within that ulp of a rounding boundary; such a
+        # flip moves one element by one FP8 step (up to 25% of it in E5M2) and puts everything downstream on
+        # another rounding path, as another FP8 run would. Adam turns ulp differences of gradients into ulp
+        # differences of every weight from its second update on, so weight casts flip from step 2 (3 of 13
+        # seeds, e.g. FP8P_TEST_SEED=1: step-2 losses 1e-5..7e-5 apart, gradients up to 3.7%). From a flip on,
+        # the runs differ by FP8's error, not float32's: bounded by FP8's own error against high precision,
+        # measured on this model at up to 3e-3 (loss, relative) and 0.13 (first-step gradients, per
+        # parameter), within the differential suite's block bound LAYER_GRAD_TOL (0.20). A dropped CP
+        # reduction gives different scales on the CP ranks, caught exactly above.
+        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
         errs = {n: ((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item() for n, g in grads.items()}
-        print(f"{name}: largest relative gradient error {max(errs.values()):.2e}", flush=True)
+        print(f"{name}: relative loss errors {['%.1e' % e for e in loss_errs]}, largest relative gradient error "
+              f"{max(errs.values()):.2e}", flush=True)
+        assert max(loss_errs) < FP8_LOSS_TOL, f"{name}: losses {losses} vs CP1 {ref_losses}"
         for n, err in errs.items():
-            assert err < 1e-4, f"{name} {n}: relative gradient error {err:.2e}"
+            assert err < LAYER_GRAD_TOL, f"{name} {n}: relative gradient error {err:.2e}"
     return check
 
 

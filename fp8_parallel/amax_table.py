@@ -128,6 +128,7 @@ class AmaxTable:
         entry = self._entries.get(id(meta))
         if entry is not None:
             return entry[1]
+        self._adopt_device(meta)
         n = meta.num_tensors
         self._allocate(n)
         if HEADER + self._used + n > self._buffer.numel():
@@ -138,6 +139,21 @@ class AmaxTable:
         self._order.append(meta)
         self._used += n
         return self._used - n
+
+    def _adopt_device(self, meta: FP8Meta) -> None:
+        """The table lives where its modules' FP8 state lives: the first registration decides (a scope opened on a
+        machine with a GPU defaults to it, but CPU modules are fine); a meta on another device is refused, since
+        the fused update writes every registered history through one device's addresses."""
+        device = meta.amax_history.device
+        if not self._order:
+            if self._buffer is not None and self._buffer.device != device:
+                self._buffer = None  # holds no slots yet
+            self.device = device
+        elif device != self.device:
+            raise RuntimeError(
+                f"FP8 state of {meta.tag} is on {device}, but this scope's other FP8 modules ({self._order[0].tag}, "
+                f"...) keep theirs on {self.device}: run the modules of one autocast scope on one device"
+            )
 
     def _allocate(self, n: int = 0) -> None:
         if self._buffer is None:

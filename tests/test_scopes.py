@@ -62,3 +62,19 @@ def test_current_scaling_modules_match_reference():
     rel = (y.detach().double() - ref).norm() / ref.norm()
     assert rel < 0.06, rel
     assert torch.equal(lin.fp8.fwd.amax_history, torch.zeros_like(lin.fp8.fwd.amax_history))
+
+
+def test_amax_table_lives_where_its_modules_fp8_state_lives():
+    """A scope opened on a machine with a GPU defaults its tables to the GPU; modules kept on the CPU register
+    there anyway (their table moves to the CPU before any slot exists), and a second device in one table is
+    refused by name (the fused update addresses every history through one device)."""
+    from fp8_parallel.amax_table import AmaxTable
+    from fp8_parallel.meta import FP8Meta
+
+    table = AmaxTable("forward", torch.device("meta"))  # stands for the GPU default of a CPU-only run here
+    table._allocate()  # an empty table allocated for a reduction keeps no slots
+    first = FP8Meta(2, "layer0/fwd", history_len=4, device=torch.device("cpu"))
+    assert table.slots(first).device.type == "cpu" and table.device.type == "cpu"
+    other = FP8Meta(1, "layer1/fwd", history_len=4, device=torch.device("meta"))
+    with pytest.raises(RuntimeError, match=r"layer1/fwd is on meta.*layer0/fwd.*on cpu"):
+        table.slots(other)

@@ -237,7 +237,7 @@ class AmaxTable:
         from . import triton_kernels
 
         algo = recipe.amax_compute_algo
-        if not triton_kernels.AVAILABLE or algo not in ("max", "most_recent"):
+        if not triton_kernels.AVAILABLE or amax.device.type != "cuda" or algo not in ("max", "most_recent"):
             return False
         if layout.history_lens != {recipe.amax_history_len}:
             return False

@@ -119,30 +119,78 @@ def ensure_optimizer_state(optimizer) -> None:
             g["lr"] = lr
 
 
+def _saved_parts(state: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The saved optimizers' common state (param groups, sharding type), however many the checkpoint had.
+
+    dist_checkpointing returns the saved common state in the saved structure, merged with the requested
+    tensors in the requested one: one optimizer is a plain dict, a chained one a dict keyed 0, 1, ..."""
+    if "optimizer" in state:
+        return [state]
+    return [v for k, v in sorted((k, v) for k, v in state.items() if isinstance(k, int))
+            if isinstance(v, dict) and "optimizer" in v]
+
+
+def _group_id(group: Dict[str, Any], with_expert: bool = True) -> tuple:
+    """megatron's identity of a param group (weight-decay / lr multipliers, expert-parallel, decoupled lr)."""
+    keys = ("wd_mult", "lr_mult", "is_decoupled_lr") + (("is_expert_parallel",) if with_expert else ())
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
+
+
+def _matching_groups(opt, saved_groups: List[Dict[str, Any]], describe_saved: str) -> List[Dict[str, Any]]:
+    """For each param group of `opt`, the saved group of the same identity.
+
+    A layout change of expert parallelism moves experts between megatron's dense and expert optimizers (with
+    EP1 megatron builds no separate expert optimizer): when no saved group has the same expert flag, one that
+    agrees in everything else is taken, its flag set to this run's."""
+    out = []
+    for group in opt.optimizer.param_groups:
+        exact = [g for g in saved_groups if _group_id(g) == _group_id(group)]
+        loose = [g for g in saved_groups if _group_id(g, False) == _group_id(group, False)]
+        if not (exact or loose):
+            raise ValueError(f"no saved optimizer param group matches this run's group {_group_id(group)} "
+                             f"(wd_mult, lr_mult, is_decoupled_lr, is_expert_parallel); saved: {describe_saved}")
+        chosen = dict((exact or loose)[0])
+        chosen["is_expert_parallel"] = group.get("is_expert_parallel", chosen.get("is_expert_parallel"))
+        out.append(chosen)
+    return out
+
+
 def load_optimizer(optimizer, state: Dict[str, Any]) -> None:
     """Load the optimizer's state as `optimizer.sharded_state_dict(..., is_loading=True)` described it.
+
+    The tensors (master weights, moments) are keyed like the model's and reshard with it. The common state
+    (param groups with their `step`) is matched to this run's param groups by megatron's group identity, so a
+    checkpoint of a chained dense + expert optimizer (EP > 1) loads into a single optimizer (EP1) and back.
 
     megatron-core 0.16's distributed optimizer, without TransformerEngine / apex, first puts the common
     `step` into torch Adam's per-parameter state and then expects the fully reshardable parameter state to
     carry a `step` too (it does not): the parameter state is loaded here with `step` set aside, and each
     parameter gets its own copy of the step back (torch increments it in place).
+
+    Raises:
+        ValueError: saved param groups or sharding that do not fit this run's optimizer.
     """
     chained = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    parts = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
-    if len(parts) != len(chained):
-        raise ValueError(f"checkpoint holds {len(parts)} optimizers, this run has {len(chained)}")
-    for opt, part in zip(chained, parts):
-        part = dict(part)
-        param_state = part.pop("param_state", None)
-        kind = part.pop("param_state_sharding_type", None)
+    saved = _saved_parts(state)
+    if not saved:
+        raise ValueError("checkpoint holds no optimizer param groups")
+    kinds = {p.get("param_state_sharding_type") for p in saved}
+    if kinds != {"fully_reshardable"}:
+        raise ValueError(f"optimizer state sharded as {sorted(map(str, kinds))}; expected 'fully_reshardable'")
+    saved_groups = [g for p in saved for g in p["optimizer"]["param_groups"]]
+    describe_saved = f"{len(saved)} optimizer(s), groups {[_group_id(g) for g in saved_groups]}"
+    requested = [state] if len(chained) == 1 else [state.get(i, {}) for i in range(len(chained))]
+    for i, (opt, req) in enumerate(zip(chained, requested)):
+        part: Dict[str, Any] = {"optimizer": {"param_groups": _matching_groups(opt, saved_groups, describe_saved)}}
+        same = saved[i] if len(saved) == len(chained) else saved[0]
+        if "grad_scaler" in same:
+            part["grad_scaler"] = same["grad_scaler"]
         opt.load_state_dict(part)
         inner = opt.optimizer
         steps = {p: s.pop("step") for p, s in inner.state.items() if "step" in s}
         try:
-            if param_state is not None:
-                if kind != "fully_reshardable":
-                    raise ValueError(f"optimizer state sharded as {kind!r}; expected 'fully_reshardable'")
-                opt.load_parameter_state_from_fully_reshardable(param_state)
+            if req.get("param_state") is not None:
+                opt.load_parameter_state_from_fully_reshardable(req["param_state"])
         finally:
             for p, step in steps.items():
                 inner.state[p]["step"] = step.detach().clone()

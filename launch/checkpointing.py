@@ -152,7 +152,10 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
 
-    _on_rank0(prepare)
+    try:
+        _on_rank0(prepare)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot save to {save_dir}: {e}") from None
     blob = cs.rng_blob()
     rng_len = cs.rng_length(blob)
     with cpu_compat():
@@ -178,7 +181,7 @@ def save_checkpoint(
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "run_args": run_args,
         "layout": lay,
-        "fp8": cs.fp8_enabled(model),
+        "fp8": _run_fp8(model, run_args),
         "num_chunks": len(model),
         "has_optimizer": optimizer is not None,
         "rng_length": rng_len,
@@ -193,7 +196,10 @@ def save_checkpoint(
         _test_pause("publish")
         files.publish(tmp, final)
 
-    _on_rank0(finish)
+    try:
+        _on_rank0(finish)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot save to {save_dir}: {e}") from None
     _log(f"saved iteration {state.iteration} to {final} ({cs.describe(lay)})")
     dist.barrier()
 
@@ -250,7 +256,8 @@ def load_checkpoint(
 
     with cpu_compat():
         sharded, fp8_keys = cs.model_sharded(model)
-        saved_fp8, run_fp8 = meta.get("fp8"), cs.fp8_enabled(model)
+        saved_fp8 = meta.get("fp8") or (meta.get("run_args") or {}).get("fp8")
+        run_fp8 = _run_fp8(model, run_args)
         ckpt_tensors = dist_checkpointing.load_tensors_metadata(str(ckpt))
         skip = set()
         if fp8_keys and not (saved_fp8 and run_fp8):
@@ -285,10 +292,14 @@ def load_checkpoint(
         except Exception as e:  # noqa: BLE001 - reported on every rank
             error = f"cannot load checkpoint {ckpt} ({layouts}): {type(e).__name__}: {e}"
         _agree(error)
-        for i, chunk in enumerate(model):
-            _load_chunk(cs.unwrap(chunk), loaded[f"model{i}"], {k for c, k in skip if c == f"model{i}"}, ckpt)
-        if load_opt:
-            cs.load_optimizer(optimizer, loaded["optimizer"])
+        try:
+            for i, chunk in enumerate(model):
+                _load_chunk(cs.unwrap(chunk), loaded[f"model{i}"], {k for c, k in skip if c == f"model{i}"}, ckpt)
+            if load_opt:
+                cs.load_optimizer(optimizer, loaded["optimizer"])
+        except (CheckpointError, ValueError, KeyError, RuntimeError) as e:
+            error = f"cannot load checkpoint {ckpt} ({layouts}): {type(e).__name__}: {e}"
+        _agree(error)
     if optimizer is not None and not meta["has_optimizer"]:
         _log(f"checkpoint {ckpt.name} has no optimizer state: the optimizer starts fresh")
     if scheduler is not None and meta.get("scheduler") is not None:
@@ -299,6 +310,12 @@ def load_checkpoint(
         _log(f"layout changed ({layouts}): RNG states are not restored")
     _log(f"loaded iteration {meta['iteration']} from {ckpt} ({layouts})")
     return TrainState(meta["iteration"], meta["consumed_samples"], dict(meta.get("extra") or {}))
+
+
+def _run_fp8(model: List[torch.nn.Module], run_args: Dict[str, Any]) -> Optional[str]:
+    """The FP8 format the run trains with: the model's `config.fp8`, else megatron's `fp8` argument in
+    `run_args` (the job keeps FP8 out of megatron's config and opens the FP8 scope itself)."""
+    return cs.fp8_enabled(model) or run_args.get("fp8") or None
 
 
 def _matches(sh_ten, ckpt_tensors: Dict[str, Any]) -> bool:

@@ -1,7 +1,6 @@
 """Checkpoints of the training job (launch/checkpointing.py): files and atomicity in-process; exact resume,
-resharding, FP8 interchange, bad inputs and a SIGKILL during a save under torchrun (4 ranks, gloo).
-
-Not here yet: the MoE suite of workers/checkpoint_checks.py (`moe`) does not pass (issue 12)."""
+resharding (TP, PP, EP), FP8 interchange, bad inputs and a SIGKILL during a save under torchrun (4 ranks,
+gloo). Through the job itself (resume after --exit-interval, torchrun restarts, errors): test_checkpointing_job.py."""
 from __future__ import annotations
 
 import json
@@ -100,6 +99,15 @@ def test_dense_resume_reshard_interchange_bad_inputs(tmp_path):
               "ckpt_interchange_fp8_nofp8_localspec", "ckpt_bad_inputs_named"]
     out = launch("checkpoint_checks.py", 4, ["dense", str(tmp_path)], timeout=TIMEOUT, expect_checks=checks)
     assert "FP8 state starts fresh" in out and "ignores it" in out
+
+
+def test_moe_resume_and_ep_reshard(tmp_path):
+    """TP2 x PP2 x EP2 MoE with FP8: bitwise exact resume; EP2 -> EP1 -> EP2 reshards (losses within FP8
+    tolerance of the run in the saved layout); megatron's chained dense + expert optimizers into one."""
+    checks = ["ckpt_exact_resume_moe_tp2_pp2_ep2", "ckpt_reshard_moe_ep2_to_ep1_and_back",
+              "ckpt_moe_chained_optimizers_into_one"]
+    out = launch("checkpoint_checks.py", 4, ["moe", str(tmp_path)], timeout=TIMEOUT, expect_checks=checks)
+    assert "resharded to tp=2 pp=2 ep=1" in out and "resharded to tp=2 pp=2 ep=2" in out
 
 
 def _descendants(pid: int) -> list:

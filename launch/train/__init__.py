@@ -6,5 +6,6 @@
 * `model` — TransformerConfig, GPTModel with our FP8 spec, DDP, distributed optimizer, LR schedule;
 * `step` — one step on megatron's pipeline schedule inside the FP8 scope;
 * `metrics` — FP8 health, per-layer FP8 state, progress bar / log lines / TensorBoard / JSON lines;
+* `elastic` — torch.distributed start-up that survives torchrun's restarts;
 * `loop` — the job: start, resume, train, save.
 """

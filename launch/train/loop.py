@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import parallel_state as ps
 
 from .arguments import RunArgs
+from .elastic import init_process_group
 
 
 @dataclasses.dataclass
@@ -18,22 +20,13 @@ class Position:
     consumed_samples: int = 0
 
 
-def _checkpoint_api():
-    """The checkpoint module, imported when first needed (it is developed beside this job)."""
-    from launch import checkpointing
-
-    return checkpointing
-
-
 def _load(args: RunArgs, model, optimizer, scheduler, say) -> Position:
+    """Resume from the latest complete checkpoint under `--load` (none there: start at iteration 0)."""
     if not args.load:
         return Position()
-    ckpt = _checkpoint_api()
-    try:
-        state = ckpt.load_checkpoint(args.load, model, optimizer, scheduler, args.as_dict())
-    except NotImplementedError as err:
-        warnings.warn(f"--load {args.load}: checkpoint loading is not available yet ({err}); starting fresh")
-        return Position()
+    from launch.checkpointing import load_checkpoint
+
+    state = load_checkpoint(args.load, model, optimizer, scheduler, args.as_dict())
     if state is None:
         say(f"no complete checkpoint in {args.load}: starting from iteration 0")
         return Position()
@@ -42,28 +35,42 @@ def _load(args: RunArgs, model, optimizer, scheduler, say) -> Position:
 
 
 def _save(args: RunArgs, pos: Position, model, optimizer, scheduler, say, extra: dict) -> None:
-    ckpt = _checkpoint_api()
-    try:
-        ckpt.save_checkpoint(args.save, ckpt.TrainState(pos.iteration, pos.consumed_samples, extra), model,
-                             optimizer, scheduler, args.as_dict())
-    except NotImplementedError as err:
-        warnings.warn(f"--save {args.save}: checkpoint saving is not available yet ({err})")
-        return
+    from launch.checkpointing import TrainState, save_checkpoint
+
+    save_checkpoint(args.save, TrainState(pos.iteration, pos.consumed_samples, extra), model, optimizer, scheduler,
+                    args.as_dict())
     say(f"saved checkpoint at iteration {pos.iteration} to {args.save}")
+
+
+def _checkpoint_failure(err: Exception) -> int:
+    """A checkpoint that cannot be loaded or saved ends the job: one line (per machine), exit status 1.
+
+    The checkpoint code raises it on every rank together, so every rank leaves cleanly."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        text = " ".join(str(err).split())
+        print(f"pretrain_gpt.py: error: {text}", file=sys.stderr, flush=True)
+    return 1
 
 
 def run(args: RunArgs) -> int:
     """Train `args.train_iters` iterations (from the checkpoint in `--load`, if any); returns the exit code."""
+    started = init_process_group()
     ps.initialize(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
         ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
     )
+    from launch.checkpointing import CheckpointError
+
     try:
         with ps.cpu_compat():
             return _train(args)
+    except CheckpointError as err:
+        return _checkpoint_failure(err)
     finally:
         ps.destroy()
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _train(args: RunArgs) -> int:

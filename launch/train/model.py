@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from megatron.core import parallel_state as mpu
@@ -84,16 +86,43 @@ def transformer_config(args) -> TransformerConfig:
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
+        # not `fp8` itself (see the module docstring); the history length sizes each FP8 module's amax
+        # history at construction, so a fresh model has the state shapes of a trained one (checkpoint loads)
+        fp8_amax_history_len=args.fp8_amax_history_len,
         **moe, **recompute,
     )
+
+
+def reduce_experts_over_expert_dp(model: torch.nn.Module) -> int:
+    """Mark every MoE expert parameter of `model` for gradient reduction over the expert data-parallel group
+    (`allreduce = False`, read by megatron's DDP and optimizer when they are built); returns how many.
+
+    megatron-core 0.16 marks expert linears so only with expert parallelism (EP > 1). With EP1 and an expert
+    TP below the dense TP (the MoE default of sequence-parallel runs: TP2, expert TP1), each TP rank's copy
+    of an expert sees only its own share of the tokens, yet as a "dense" parameter its gradient is reduced
+    over data parallelism alone: the copies drift apart, and a checkpoint (one copy) does not resume them.
+    Over expert-DP (which holds those TP ranks) the copies get the same, complete gradient.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for p in module.experts.parameters():
+                p.allreduce = False
+                count += 1
+    return count
 
 
 def build_model(args, config: TransformerConfig, vocab_size: int) -> List[torch.nn.Module]:
     """This rank's model chunks (one per virtual stage): GPTModel, in Float16Module for bf16, in megatron DDP.
 
-    Seeded from `--seed`: megatron's model-parallel RNG tracker (graph-safe states with `--cuda-graph` on GPUs)
-    and torch's generator, so every launch with the same seed builds the same weights.
+    Seeded from `--seed`: megatron's model-parallel RNG tracker (graph-safe states with `--cuda-graph` on GPUs),
+    torch's generator, and Python's and NumPy's global ones, so every launch with the same seed builds the same
+    weights and holds the same RNG states (which checkpoints save and restore).
     """
+    random.seed(args.seed)
+    np.random.seed(args.seed % 2**32)
     torch.manual_seed(args.seed)
     # CUDA graphs replay RNG (dropout, attention) only from graph-safe generator states
     model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=bool(args.cuda_graph) and torch.cuda.is_available())
@@ -110,6 +139,7 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> List[torch.
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage),
             position_embedding_type="learned_absolute", **stage,
         )
+        reduce_experts_over_expert_dp(model)
         if torch.cuda.is_available():
             model = model.cuda()
         if args.bf16:

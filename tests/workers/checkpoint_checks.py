@@ -3,8 +3,7 @@
 Usage (under torchrun): checkpoint_checks.py SUITE DIR
   dense   TP2 x PP2, FP8: exact resume; reshard to TP1 x PP2 and TP2 x PP1; FP8 <-> no-FP8 / local spec
           interchange; bad checkpoints (corrupt, truncated, unsafe pickle, another model shape)
-  moe     TP2 x PP2 x EP2 MoE, FP8: exact resume; reshard to EP1 (does not pass yet: resumed losses differ
-          from the third decimal, and the EP change fails loading the expert optimizer state)
+  moe     TP2 x PP2 x EP2 MoE (sequence parallel), FP8: exact resume; reshard EP2 -> EP1 and EP1 -> EP2
   save    (kill test, first launch) save iteration 1, then start saving iteration 2 (the test kills it)
   verify  (kill test, second launch) the kill left iteration 1 loadable; a new save of 2 completes
 """
@@ -295,16 +294,49 @@ def moe(root: Path) -> None:
     def exact():
         _exact_resume(base, root, "exact_moe")
 
+    calm = dataclasses.replace(base, dropout=0.0)
+    refs: Dict[str, List[float]] = {}
+
     def reshard_ep():
-        calm = dataclasses.replace(base, dropout=0.0)
-        ref = _save_along(calm, root, "moe_calm")
+        # EP1 and EP2 runs both keep experts in megatron's separate expert optimizer (the job marks them so)
+        refs["ep2"] = _save_along(calm, root, "moe_calm")
         try:
             _layout(2, 2, ep=1, etp=1)
-            _resume_close(dataclasses.replace(calm, ep=1), root, "moe_calm", ref)
+            ep1 = dataclasses.replace(calm, ep=1)
+            _resume_close(ep1, root, "moe_calm", refs["ep2"])
+            ref_ep1 = _save_along(ep1, root, "moe_calm_ep1")
         finally:
             _layout(2, 2, ep=2, etp=1)
+        _resume_close(calm, root, "moe_calm_ep1", ref_ep1)
 
-    _run_selected([("ckpt_exact_resume_moe_tp2_pp2_ep2", exact), ("ckpt_reshard_moe_ep2_to_ep1", reshard_ep)])
+    def into_one_optimizer():
+        """EP2's chained dense + expert optimizers into one optimizer (EP1 with experts marked as megatron
+        marks them: dense): param groups matched by identity, moments and step loaded."""
+        from checkpoint_harness import Run
+        from launch.checkpointing import load_checkpoint
+
+        try:
+            _layout(2, 2, ep=1, etp=1)
+            single = dataclasses.replace(calm, ep=1, megatron_expert_marking=True)
+            run = Run(single)
+            opts = getattr(run.optimizer, "chained_optimizers", [run.optimizer])
+            assert len(opts) == 1, f"expected one optimizer with megatron's EP1 marking, got {len(opts)}"
+            state = load_checkpoint(str(root / "moe_calm"), run.model, run.optimizer, run.scheduler,
+                                    single.run_args())
+            assert state is not None and state.iteration == K, state
+            inner = opts[0].optimizer
+            steps = {float(s["step"]) for s in inner.state.values()}
+            assert steps == {float(K)}, f"optimizer steps after load: {steps}"
+            moments = [s["exp_avg"] for s in inner.state.values()]
+            assert moments and all(bool(m.abs().sum() > 0) for m in moments), "Adam moments did not load"
+            first = _share(run.train(K, K + 1), 1)[0]
+        finally:
+            _layout(2, 2, ep=2, etp=1)
+        want = refs["ep2"][K]
+        assert abs(first - want) <= FIRST_RTOL * abs(want), f"loss {first} vs {want} after loading into one optimizer"
+
+    _run_selected([("ckpt_exact_resume_moe_tp2_pp2_ep2", exact), ("ckpt_reshard_moe_ep2_to_ep1_and_back", reshard_ep),
+                   ("ckpt_moe_chained_optimizers_into_one", into_one_optimizer)])
 
 
 def save_then_hang(root: Path) -> None:

@@ -41,6 +41,7 @@ class Opts:
     dropout: float = 0.1
     lr: float = 1e-2
     train_iters: int = 10
+    megatron_expert_marking: bool = False  # experts marked as megatron does (EP1: dense, one optimizer)
 
     def run_args(self) -> dict:
         d = dataclasses.asdict(self)
@@ -66,7 +67,8 @@ class Run:
 
     def __init__(self, opts: Opts):
         from megatron.core import parallel_state as mpu
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -75,6 +77,7 @@ class Run:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from fp8_parallel.megatron import get_gpt_block_spec
+        from launch.train.model import reduce_experts_over_expert_dp
 
         self.opts = opts
         moe = dict(
@@ -108,10 +111,16 @@ class Run:
                 config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=opts.seq,
                 pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             )
+            if opts.experts and not opts.megatron_expert_marking:
+                reduce_experts_over_expert_dp(model)  # as the job does (EP1 with expert TP < TP)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
             )
             self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+            # megatron's schedule calls this after the last backward: DP / expert-DP gradient reduction, the
+            # tied embedding's gradient across stages, and the TP sum of sequence-parallel replicated
+            # parameters (norms, router). Without it the replicas of one parameter drift apart.
+            config.finalize_model_grads_func = finalize_model_grads
             opt_config = OptimizerConfig(
                 optimizer="adam", lr=opts.lr, min_lr=opts.lr / 10, weight_decay=0.01, clip_grad=1.0,
                 use_distributed_optimizer=True, bf16=False,

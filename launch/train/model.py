@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 from typing import List, Optional, Tuple
 
@@ -54,8 +55,11 @@ def fp8_settings(args) -> FP8Settings:
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 64) -> int:
-    """The vocabulary padded so every tensor-parallel shard of the embedding has equal, aligned rows."""
-    step = multiple * tp
+    """The vocabulary padded so every tensor-parallel shard of the embedding has equal, aligned rows.
+
+    Padded to a multiple of `multiple * 8` whatever the TP size (when TP divides 8), so the embedding and output
+    layer keep one shape across TP 1, 2, 4 and 8 and a checkpoint reshards between them."""
+    step = math.lcm(multiple * tp, multiple * 8)
     return -(-vocab_size // step) * step
 
 

@@ -1,0 +1,34 @@
+"""The training job resumes a checkpoint under another tensor / pipeline layout (CPU, gloo): saved under TP2 +
+sequence parallel with FP8, resumed under PP2; the run continues where the uninterrupted one goes. The
+vocabulary is padded to one size for every TP that divides 8, so the embedding keeps its shape across TP."""
+from __future__ import annotations
+
+import pytest
+
+from test_pretrain_gpt import FP8, TINY, _rows, _torchrun
+
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+def test_padded_vocab_is_the_same_for_every_tp_dividing_8():
+    from launch.train.model import padded_vocab_size
+
+    for vocab in (257, 32000, 50257):
+        sizes = {padded_vocab_size(vocab, tp) for tp in (1, 2, 4, 8)}
+        assert len(sizes) == 1 and sizes.pop() % (64 * 8) == 0, (vocab, sizes)
+    assert padded_vocab_size(257, 3) % (64 * 3) == 0
+
+
+def test_job_saved_tp2_resumes_under_pp2(tmp_path):
+    common = TINY + FP8 + ["--num-layers", "4", "--train-iters", "8"]
+    ckpt = tmp_path / "ckpt"
+    _torchrun(tmp_path, 2, common + TP2 + ["--log-json", str(tmp_path / "whole.jsonl")])
+    _torchrun(tmp_path, 2, common + TP2 + ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4",
+                                           "--log-json", str(tmp_path / "first.jsonl")])
+    _torchrun(tmp_path, 2, common + PP2 + ["--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl")])
+    whole, resumed = _rows(tmp_path / "whole.jsonl"), _rows(tmp_path / "resumed.jsonl")
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed
+    # another layout computes the same model with other reduction orders and amax domains: FP8 tolerance
+    for a, b in zip(whole[4:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["iteration"], a["loss"], b["loss"])

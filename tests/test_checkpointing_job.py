@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 
@@ -67,12 +67,11 @@ def _start(tmp_path: Path, nproc: int, flags: List[str], restarts: int = 0) -> s
                             start_new_session=True, cwd=str(tmp_path))
 
 
-def _finish(proc: subprocess.Popen, what: str, expect_rc: Optional[int] = 0) -> str:
-    """Wait for torchrun to exit, then end what it left behind in its session and return the output.
+def _finish(proc: subprocess.Popen, what: str, expect_rc: Optional[int] = 0, leftovers: Sequence[int] = ()) -> str:
+    """Wait for torchrun to exit, end what the launch left behind, and return its output.
 
-    A SIGKILLed rank leaves the helper processes megatron's checkpoint writer spawned (a multiprocessing
-    manager and its resource tracker) running, holding the output pipe open: output is read on a thread and
-    the session is killed once torchrun has exited."""
+    torchrun's own session is killed once it has exited, and so are `leftovers` (processes outside it that
+    hold the output pipe open: a SIGKILLed rank's helpers, see the restart test); output is read on a thread."""
     started, chunks = time.time(), []
     reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
     reader.start()
@@ -81,16 +80,17 @@ def _finish(proc: subprocess.Popen, what: str, expect_rc: Optional[int] = 0) -> 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        reader.join(timeout=30)
         raise AssertionError(f"{what} timed out:\n{''.join(chunks)[-20000:]}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # leftovers of this launch only (its own session)
         except ProcessLookupError:
             pass
-    reader.join(timeout=60)
+        ended = _end_leftovers(leftovers)
+        reader.join(timeout=60)
     out = "".join(chunks)
-    print(f"{what}: {time.time() - started:.1f} s, exit {proc.returncode}")
+    print(f"{what}: {time.time() - started:.1f} s, exit {proc.returncode}" +
+          (f"; ended {ended} leftover process(es) of the killed rank" if leftovers else ""))
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"{what} exited {proc.returncode}:\n{out[-20000:]}"
     return out
@@ -186,6 +186,26 @@ def _children(pid: int) -> List[int]:
         return []
 
 
+def _descendants(pid: int) -> List[int]:
+    out = []
+    for child in _children(pid):
+        out += [child] + _descendants(child)
+    return out
+
+
+def _end_leftovers(pids: List[int]) -> int:
+    """SIGKILL those of `pids` still running (a killed rank's helpers: torchrun runs each rank in a session of
+    its own, so they outlive it and the launch); returns how many there were."""
+    alive = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            alive += 1
+        except ProcessLookupError:
+            pass
+    return alive
+
+
 def _worker_ranks(agent_pid: int) -> Dict[int, int]:
     """The torchrun agent's worker processes (the job's ranks): {rank: pid}."""
     out = {}
@@ -213,16 +233,17 @@ def test_job_restarts_after_a_rank_is_killed(tmp_path):
                     "--train-iters", "8", "--save-interval", "2", "--save", str(ck), "--load", str(ck),
                     "--log-json", str(log)]
     proc = _start(tmp_path, 4, flags, restarts=1)
-    deadline, killed = time.time() + TIMEOUT, None
+    deadline, killed, helpers = time.time() + TIMEOUT, None, []
     while time.time() < deadline and proc.poll() is None and killed is None:
         if log.exists() and 3 in _losses(log):  # iteration 2 is saved; training goes on
             workers = _worker_ranks(proc.pid)
             if victim_rank in workers:
                 killed = workers[victim_rank]
+                helpers = _descendants(killed)  # megatron's checkpoint writer's manager and resource tracker
                 os.kill(killed, signal.SIGKILL)
         time.sleep(0.2)
     assert killed is not None, "never reached iteration 3 with 4 workers"
-    out = _finish(proc, "job with a killed rank")
+    out = _finish(proc, "job with a killed rank", leftovers=helpers)
     assert "no complete checkpoint" in out, "the first attempt should have started fresh"
     resumed_at = [int(m) for m in re.findall(r"resumed from \S+ at iteration (\d+) ", out)]
     assert len(resumed_at) == 1 and resumed_at[0] >= 2 and resumed_at[0] % 2 == 0, (resumed_at, out[-5000:])

@@ -118,7 +118,16 @@ class FP8TransformerLayer(TransformerLayer):
 
 
 class FP8SequentialMLP(SequentialMLP):
-    """megatron's SequentialMLP experts (our FP8 linears), inside a scope over the expert amax domain."""
+    """megatron's SequentialMLP experts (our FP8 linears), inside a scope over the expert amax domain.
+
+    Every expert parameter is reduced over expert data parallelism (`allreduce = False`, as `FP8GroupedMLP`'s),
+    also with EP1: with an expert TP below the dense TP each TP rank's copy of an expert sees only its share of
+    the tokens, and reduced over data parallelism alone the copies would drift apart."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.parameters():
+            p.allreduce = False
 
     def forward(self, *args, **kwargs):
         with expert_scope():

@@ -436,6 +436,8 @@ def check_ep2_moe_matches_unsharded_experts(grouped: bool):
           )
           spec = get_gpt_layer_spec(num_experts=n_exp, moe_grouped_gemm=grouped).submodules.mlp
           layer = MoELayer(cfg, submodules=spec.submodules, layer_number=1)
+      # every expert parameter is reduced over expert-DP by megatron's DDP (both expert modules)
+      assert all(getattr(p, "allreduce", True) is False for p in layer.experts.parameters()), grouped
       local = [i for i in range(2)]  # local expert indices
       ep_rank, ep_group = ps.get_rank("ep"), ps.get_group("ep")
       # every expert's weights, gathered from the EP rank that holds it

@@ -29,6 +29,31 @@ def _megatron_groups() -> Optional[Tuple[object, object]]:
     return mpu.get_expert_model_parallel_group(), mpu.get_pipeline_model_parallel_group()
 
 
+def _domain(build: bool) -> Optional[dist.ProcessGroup]:
+    """The expert amax domain (see `expert_amax_group`); `build`: make it from megatron's current groups when it
+    was not (collective), else refuse."""
+    global _MEGATRON_DOMAIN
+    import parallel_state
+
+    if parallel_state.is_initialized():
+        return parallel_state.expert_amax_group()
+    groups = _megatron_groups()
+    if groups is None:
+        return None
+    if _MEGATRON_DOMAIN is None or _MEGATRON_DOMAIN[:2] != groups:
+        if build:
+            _MEGATRON_DOMAIN = (*groups, parallel_state.build_expert_amax_group())
+        else:
+            raise RuntimeError(
+                "FP8 experts need the expert amax domain (the ranks holding the same experts), which was not built "
+                "for megatron's current groups: build the model from fp8_parallel's block specs "
+                "(fp8_parallel.megatron.get_gpt_block_spec or fp8_parallel.megatron_lm.moe_block_spec), or call "
+                "fp8_parallel.expert_scope.ensure_megatron_expert_domain() on every rank after "
+                "initialize_model_parallel"
+            )
+    return _MEGATRON_DOMAIN[2]
+
+
 def ensure_megatron_expert_domain() -> Optional[dist.ProcessGroup]:
     """Build the expert amax domain from megatron's groups, once per megatron set-up, when megatron's groups
     exist and `parallel_state.initialize` did not run (it has its own). Returns the domain, or None when
@@ -39,17 +64,7 @@ def ensure_megatron_expert_domain() -> Optional[dist.ProcessGroup]:
     rank builds one per model chunk); call it yourself after `initialize_model_parallel` when you build
     expert layers without our block specs.
     """
-    global _MEGATRON_DOMAIN
-    import parallel_state
-
-    if parallel_state.is_initialized():
-        return parallel_state.expert_amax_group()
-    groups = _megatron_groups()
-    if groups is None:
-        return None
-    if _MEGATRON_DOMAIN is None or _MEGATRON_DOMAIN[:2] != groups:
-        _MEGATRON_DOMAIN = (*groups, parallel_state.build_expert_amax_group())
-    return _MEGATRON_DOMAIN[2]
+    return _domain(build=True)
 
 
 def expert_amax_group() -> Optional[dist.ProcessGroup]:
@@ -60,22 +75,7 @@ def expert_amax_group() -> Optional[dist.ProcessGroup]:
         RuntimeError: megatron's groups exist but the domain was not built from them (building it here, in
             a forward, could deadlock: pipeline stages reach their first forward at different times).
     """
-    import parallel_state
-
-    if parallel_state.is_initialized():
-        return parallel_state.expert_amax_group()
-    groups = _megatron_groups()
-    if groups is None:
-        return None
-    if _MEGATRON_DOMAIN is None or _MEGATRON_DOMAIN[:2] != groups:
-        raise RuntimeError(
-            "FP8 experts need the expert amax domain (the ranks holding the same experts), which was not built "
-            "for megatron's current groups: build the model from fp8_parallel's block specs "
-            "(fp8_parallel.megatron.get_gpt_block_spec or fp8_parallel.megatron_lm.moe_block_spec), or call "
-            "fp8_parallel.expert_scope.ensure_megatron_expert_domain() on every rank after "
-            "initialize_model_parallel"
-        )
-    return _MEGATRON_DOMAIN[2]
+    return _domain(build=False)
 
 
 def expert_scope() -> ContextManager:

@@ -25,12 +25,13 @@ def _shape(owner: str, normalized_shape: Optional[Shape], hidden_size: Optional[
 
 class _Norm(torch.nn.Module):
     _owner = "norm"
+    _with_bias = True
 
     def __init__(self, normalized_shape: Optional[Shape] = None, eps: float = 1e-5,
                  sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
                  zero_centered_gamma: bool = False, hidden_size: Optional[int] = None, *,
                  device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None,
-                 sm_margin: Union[int, dict] = 0, with_bias: bool = True):
+                 sm_margin: Union[int, dict] = 0):
         super().__init__()
         owner = self._owner
         self.normalized_shape = _shape(owner, normalized_shape, hidden_size)
@@ -45,7 +46,7 @@ class _Norm(torch.nn.Module):
         gain = 0.0 if zero_centered_gamma else 1.0
         self.weight = torch.nn.Parameter(torch.full(self.normalized_shape, gain, dtype=dtype, device=device))
         self.bias = (torch.nn.Parameter(torch.zeros(self.normalized_shape, dtype=dtype, device=device))
-                     if with_bias else None)
+                     if self._with_bias else None)
         if sequence_parallel is not None:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -77,14 +78,6 @@ class LayerNorm(_Norm):
 
     _owner = "LayerNorm"
 
-    def __init__(self, normalized_shape: Optional[Shape] = None, eps: float = 1e-5,
-                 sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
-                 zero_centered_gamma: bool = False, hidden_size: Optional[int] = None, *,
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None,
-                 sm_margin: Union[int, dict] = 0):
-        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, hidden_size,
-                         device=device, dtype=dtype, sm_margin=sm_margin, with_bias=True)
-
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
         return F.layer_norm(inp, self.normalized_shape, self._gain(inp), self.bias.to(inp.dtype), self.eps)
@@ -95,14 +88,7 @@ class RMSNorm(_Norm):
     `normalized_shape` dims, in the input's dtype. Arguments as for `LayerNorm`; parameter: `weight`."""
 
     _owner = "RMSNorm"
-
-    def __init__(self, normalized_shape: Optional[Shape] = None, eps: float = 1e-5,
-                 sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
-                 zero_centered_gamma: bool = False, hidden_size: Optional[int] = None, *,
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None,
-                 sm_margin: Union[int, dict] = 0):
-        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, hidden_size,
-                         device=device, dtype=dtype, sm_margin=sm_margin, with_bias=False)
+    _with_bias = False
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""

@@ -78,6 +78,20 @@ def expert_amax_group() -> Optional[dist.ProcessGroup]:
     return _domain(build=False)
 
 
+def experts_reduce_over_dense_dp(config) -> bool:
+    """The `allreduce` mark of MoE expert parameters under `config` (a megatron TransformerConfig).
+
+    As megatron marks its experts: True (reduced with the dense parameters) with EP1, False (reduced over
+    expert data parallelism, by megatron's expert optimizer) with EP > 1. One case differs: with EP1 and an
+    expert TP other than the dense TP, each TP rank's copy of an expert sees only its share of the tokens,
+    so the copies need the expert data-parallel reduction (which holds those TP ranks); megatron's mark would
+    let them drift apart.
+    """
+    tp = config.tensor_model_parallel_size
+    etp = config.expert_tensor_parallel_size or tp
+    return config.expert_model_parallel_size == 1 and etp == tp
+
+
 def expert_scope() -> ContextManager:
     """A scope for MoE experts: the enclosing scope's recipe over the expert amax domain (a no-op outside an
     enabled scope)."""

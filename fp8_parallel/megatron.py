@@ -32,7 +32,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .recipe import CurrentScaling, DelayedScaling, Format, Recipe
 from .scopes import autocast
-from .expert_scope import expert_amax_group as _expert_group, expert_scope  # noqa: F401 (re-exported)
+from .expert_scope import expert_amax_group as _expert_group, expert_scope, experts_reduce_over_dense_dp  # noqa: F401
 from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, RowParallelLinear
 from .modules.norm import Norm
 from .megatron_block import FP8BlockSubmodules, FP8TransformerBlock
@@ -120,14 +120,14 @@ class FP8TransformerLayer(TransformerLayer):
 class FP8SequentialMLP(SequentialMLP):
     """megatron's SequentialMLP experts (our FP8 linears), inside a scope over the expert amax domain.
 
-    Every expert parameter is reduced over expert data parallelism (`allreduce = False`, as `FP8GroupedMLP`'s),
-    also with EP1: with an expert TP below the dense TP each TP rank's copy of an expert sees only its share of
-    the tokens, and reduced over data parallelism alone the copies would drift apart."""
+    Its parameters carry megatron's expert `allreduce` mark, as `FP8GroupedMLP`'s do (our linears set none):
+    see `experts_reduce_over_dense_dp`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        dense = experts_reduce_over_dense_dp(self.config)
         for p in self.parameters():
-            p.allreduce = False
+            p.allreduce = dense
 
     def forward(self, *args, **kwargs):
         with expert_scope():

@@ -159,3 +159,29 @@ def test_grouped_linear_follows_megatron_first_microbatch_protocol():
         y2 = lin(x, [4, 6])
     assert all(st.weight_fp8 is c for st, c in zip(lin.fp8, cached))
     assert torch.equal(y1, y2)
+
+
+def test_expert_allreduce_mark_follows_megatron():
+    """Expert parameters carry megatron's `allreduce` mark (EP1: True, one optimizer with the dense ones; EP > 1:
+    False), except with EP1 and an expert TP other than the dense TP (False: the TP copies need expert-DP)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from fp8_parallel.expert_scope import experts_reduce_over_dense_dp
+    from fp8_parallel.modules.grouped import GroupedLinear
+
+    def cfg(tp, ep, etp):
+        return SimpleNamespace(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=etp)
+
+    assert experts_reduce_over_dense_dp(cfg(1, 1, None)) is True
+    assert experts_reduce_over_dense_dp(cfg(2, 1, None)) is True  # expert TP defaults to the dense TP
+    assert experts_reduce_over_dense_dp(cfg(2, 1, 2)) is True
+    assert experts_reduce_over_dense_dp(cfg(2, 1, 1)) is False
+    assert experts_reduce_over_dense_dp(cfg(1, 2, 1)) is False
+    for ep, want in ((1, True), (2, False)):
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, use_cpu_initialization=True,
+                                   perform_initialization=False, num_moe_experts=4, expert_model_parallel_size=ep)
+        lin = GroupedLinear(2, 32, 16, partition="column", config=config, init_method=None, bias=True)
+        marks = {p.allreduce for p in lin.parameters()}
+        assert marks == {want}, f"EP{ep}: marks {marks}, expected {want}"

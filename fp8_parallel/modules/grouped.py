@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from ..expert_scope import expert_scope
+from ..expert_scope import experts_reduce_over_dense_dp, expert_scope
 from ._core import FP8State, fp8_linear, history_len_of
 from .parallel_linear import _first_microbatch
 
@@ -46,16 +46,17 @@ class GroupedLinear(torch.nn.Module):
         device = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
+        dense = experts_reduce_over_dense_dp(config)
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(out_p, in_p, dtype=config.params_dtype, device=device))
             if config.perform_initialization:
                 with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                     init_method(w)
-            setattr(w, "allreduce", False)  # expert weights: reduced over expert-DP, not DP
+            setattr(w, "allreduce", dense)  # see experts_reduce_over_dense_dp
             self.register_parameter(f"weight{i}", w)
             b = torch.nn.Parameter(torch.zeros(out_p, dtype=config.params_dtype, device=device)) if bias else None
             if b is not None:
-                setattr(b, "allreduce", False)
+                setattr(b, "allreduce", dense)
             self.register_parameter(f"bias{i}", b)
         # one FP8 state per expert GEMM; tags name the local index, identical on the expert's DP replicas
         self.fp8 = torch.nn.ModuleList(

@@ -75,6 +75,7 @@ class Run:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.transformer.moe.moe_layer import MoELayer
 
         from fp8_parallel.megatron import get_gpt_block_spec
         from launch.train.model import reduce_experts_over_expert_dp
@@ -111,7 +112,13 @@ class Run:
                 config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=opts.seq,
                 pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             )
-            if opts.experts and not opts.megatron_expert_marking:
+            if opts.experts and opts.megatron_expert_marking:
+                # megatron's own rule (EP1: dense), also where our experts' rule differs (EP1, expert TP < TP)
+                for module in model.modules():
+                    if isinstance(module, MoELayer):
+                        for p in module.experts.parameters():
+                            p.allreduce = opts.ep == 1
+            elif opts.experts:
                 reduce_experts_over_expert_dp(model)  # as the job does (EP1 with expert TP < TP)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,

@@ -250,9 +250,6 @@ def load_checkpoint(
     saved_layout, here = meta["layout"], cs.layout()
     layouts = f"saved with {cs.describe(saved_layout)}, loading into {cs.describe(here)}"
     _check_shapes(ckpt, meta["run_args"], run_args)
-    if meta["num_chunks"] != len(model):
-        raise CheckpointError(f"checkpoint {ckpt} has {meta['num_chunks']} model chunks per rank, this run "
-                              f"{len(model)} ({layouts}); virtual pipeline stages do not reshard")
 
     with cpu_compat():
         sharded, fp8_keys = cs.model_sharded(model)

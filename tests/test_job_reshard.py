@@ -1,6 +1,7 @@
 """The training job resumes a checkpoint under another tensor / pipeline layout (CPU, gloo): saved under TP2 +
 sequence parallel with FP8, resumed under PP2; the run continues where the uninterrupted one goes. The
-vocabulary is padded to one size for every TP that divides 8, so the embedding keeps its shape across TP."""
+vocabulary is padded to one size for every TP that divides 8, so the embedding keeps its shape across TP. Virtual
+pipeline stages reshard too (saved PP2 x VPP2, resumed PP2)."""
 from __future__ import annotations
 
 import pytest
@@ -30,5 +31,24 @@ def test_job_saved_tp2_resumes_under_pp2(tmp_path):
     whole, resumed = _rows(tmp_path / "whole.jsonl"), _rows(tmp_path / "resumed.jsonl")
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed
     # another layout computes the same model with other reduction orders and amax domains: FP8 tolerance
+    for a, b in zip(whole[4:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["iteration"], a["loss"], b["loss"])
+
+
+VPP2 = PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
+
+
+def test_job_saved_pp2_vpp2_resumes_without_virtual_stages(tmp_path):
+    """Saved PP2 with two virtual stages per rank, resumed PP2 with one chunk per rank: dist_checkpointing keys
+    name global layer numbers, so the layers find their new chunk; the run continues where the
+    uninterrupted (VPP2) one goes."""
+    common = TINY + FP8 + ["--num-layers", "4", "--train-iters", "8"]
+    ckpt = tmp_path / "ckpt"
+    _torchrun(tmp_path, 2, common + VPP2 + ["--log-json", str(tmp_path / "whole.jsonl")])
+    _torchrun(tmp_path, 2, common + VPP2 + ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4",
+                                            "--log-json", str(tmp_path / "first.jsonl")])
+    _torchrun(tmp_path, 2, common + PP2 + ["--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl")])
+    whole, resumed = _rows(tmp_path / "whole.jsonl"), _rows(tmp_path / "resumed.jsonl")
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed
     for a, b in zip(whole[4:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["iteration"], a["loss"], b["loss"])

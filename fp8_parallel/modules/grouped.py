@@ -9,21 +9,27 @@ With expert-TP, fc1 is split along its output and fc2 along its input.
 The amax layout of a scope depends on the model only, never on routing: every expert runs its FP8 linear
 every step, also with no tokens (its input and grad_output amaxes are then 0, which leaves their histories
 unrolled), so all ranks of an expert amax domain register the same slots in the same order.
+
+The per-expert compute is `_grouped_core`'s, shared with TransformerEngine's `GroupedLinear`
+(`fp8_parallel.GroupedLinear`, `te_grouped_linear.py`, which imports no megatron-core).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 
 from ..expert_scope import experts_reduce_over_dense_dp, expert_scope
-from ._core import FP8State, fp8_linear, history_len_of
+from ._core import history_len_of
+from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
 from .parallel_linear import _first_microbatch
 
 
 class GroupedLinear(torch.nn.Module):
-    """`num_gemms` FP8 linears over consecutive row blocks of one input.
+    """`num_gemms` FP8 linears over consecutive row blocks of one input, with a megatron-style signature (a
+    `TransformerConfig`, megatron's RNG and `is_first_microbatch` protocol). TransformerEngine's signature is
+    `fp8_parallel.GroupedLinear`; both run the same per-expert FP8 compute.
 
     Args:
         num_gemms: local experts.
@@ -59,11 +65,8 @@ class GroupedLinear(torch.nn.Module):
                 setattr(b, "allreduce", dense)
             self.register_parameter(f"bias{i}", b)
         # one FP8 state per expert GEMM; tags name the local index, identical on the expert's DP replicas
-        self.fp8 = torch.nn.ModuleList(
-            FP8State(f"GroupedLinear[{i}]({input_size},{output_size})", device=device,
-                     history_len=history_len_of(config))
-            for i in range(num_gemms)
-        )
+        self.fp8 = expert_states(num_gemms, f"GroupedLinear[{{i}}]({input_size},{output_size})", device,
+                                 history_len_of(config))
         self.is_first_microbatch: Optional[bool] = None  # megatron's schedule sets True at a step's first microbatch
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
@@ -75,18 +78,11 @@ class GroupedLinear(torch.nn.Module):
         (see the module docstring); its output block is empty and its weight gradient zero.
         """
         first = _first_microbatch(self, is_first_microbatch)
-        splits = [int(m) for m in m_splits]
-        if len(splits) != self.num_gemms:
-            raise ValueError(f"GroupedLinear: {len(splits)} splits for {self.num_gemms} GEMMs")
-        if any(m < 0 for m in splits) or sum(splits) != x.shape[0]:
-            raise ValueError(f"GroupedLinear: m_splits={splits} must be non-negative and sum to the {x.shape[0]} "
-                             f"input rows")
-        outs: List[torch.Tensor] = []
-        wgrad_in_fp8 = getattr(self.config, "fp8_wgrad", True)
-        for i, chunk in enumerate(torch.split(x, splits, dim=0)):
-            weight, bias = getattr(self, f"weight{i}"), getattr(self, f"bias{i}")
-            outs.append(fp8_linear(chunk, weight, bias, self.fp8[i], first, wgrad_in_fp8))
-        return torch.cat(outs, dim=0)
+        splits = check_splits("GroupedLinear", m_splits, self.num_gemms, x.shape[0])
+        n = self.num_gemms
+        return grouped_fp8_linear(x, splits, [getattr(self, f"weight{i}") for i in range(n)],
+                                  [getattr(self, f"bias{i}") for i in range(n)], self.fp8, first,
+                                  getattr(self.config, "fp8_wgrad", True))
 
 
 class FP8GroupedMLP(MegatronModule):

@@ -1,0 +1,62 @@
+"""The per-expert FP8 compute both grouped linears share: TransformerEngine's `GroupedLinear`
+(`te_grouped_linear.py`) and megatron's expert linear (`grouped.py`). Imports no megatron-core.
+
+One FP8 state per GEMM; expert `i` runs `fp8_linear` on the i-th block of rows. Every expert runs every call,
+also with no rows (its input and grad_output amaxes are then 0, which leaves their histories unrolled), so the
+amax slots a module registers depend on the model only, never on routing: all ranks of an amax domain
+register the same slots in the same order whatever tokens each expert got.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ._core import FP8State, fp8_linear
+
+
+def expert_states(num_gemms: int, tag: str, device: Optional[torch.device],
+                  history_len: Optional[int] = None) -> torch.nn.ModuleList:
+    """One `FP8State` per GEMM, tagged `tag.format(i=i)` (the local index: identical on an expert's replicas)."""
+    return torch.nn.ModuleList(FP8State(tag.format(i=i), device=device, history_len=history_len)
+                               for i in range(num_gemms))
+
+
+def check_splits(owner: str, m_splits: Sequence[int], num_gemms: int, rows: int, rows_label: str = "") -> List[int]:
+    """`m_splits` as a list of ints: one per GEMM, non-negative, summing to the input's `rows`.
+
+    Raises:
+        ValueError: naming the splits and the row count (`rows_label` says what the rows are).
+    """
+    if torch.is_tensor(m_splits):
+        if m_splits.dim() != 1:
+            raise ValueError(f"{owner}: m_splits of shape {tuple(m_splits.shape)}: expected one split per GEMM "
+                             f"({num_gemms})")
+        m_splits = m_splits.tolist()
+    splits = [int(m) for m in m_splits]
+    if len(splits) != num_gemms:
+        raise ValueError(f"{owner}: {len(splits)} splits for {num_gemms} GEMMs")
+    if any(m < 0 for m in splits) or sum(splits) != rows:
+        raise ValueError(f"{owner}: m_splits={splits} must be non-negative and sum to the {rows} input rows"
+                         f"{rows_label}")
+    return splits
+
+
+def grouped_fp8_linear(
+    x: torch.Tensor,
+    splits: Sequence[int],
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[Optional[torch.Tensor]],
+    states: Sequence[FP8State],
+    is_first_microbatch: Optional[bool] = None,
+    wgrad_in_fp8: bool = True,
+) -> torch.Tensor:
+    """Expert `i` (`weights[i]`, `biases[i]`, `states[i]`) on rows `sum(splits[:i]) : sum(splits[:i+1])` of `x`
+    (split along its first dimension; `splits` checked by `check_splits`), the blocks concatenated again.
+
+    Every expert runs, also one without rows (see the module docstring): its output block is empty and its
+    weight and bias gradients zero. `is_first_microbatch` caches each expert's weight cast as `fp8_linear` does.
+    """
+    outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8)
+            for chunk, w, b, st in zip(torch.split(x, list(splits), dim=0), weights, biases, states)]
+    return torch.cat(outs, dim=0)

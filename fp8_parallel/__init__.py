@@ -14,7 +14,7 @@ from typing import Any, List
 from . import recipe
 from .amax_table import AmaxLayoutMismatch
 from .graphs import GraphedCallable, make_graphed_callables
-from .modules import FP8State, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .modules import FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from .scopes import autocast, nonfinite_amax_count
 from .te_compat import (
@@ -52,6 +52,7 @@ __all__ = [
     "Float8Tensor",
     "Format",
     "GraphedCallable",
+    "GroupedLinear",
     "LayerNorm",
     "LayerNormColumnParallelLinear",
     "LayerNormLinear",

@@ -37,8 +37,6 @@ TE_NAMES_NOT_PROVIDED = {
     "MultiheadAttention": "attention comes from megatron's layer spec (fp8_parallel.megatron.get_gpt_layer_spec())",
     "DotProductAttention": "attention runs in high precision; use megatron's DotProductAttention or torch's "
                            "scaled_dot_product_attention",
-    "GroupedLinear": "fp8_parallel.modules.grouped.GroupedLinear has megatron's signature (num_gemms, input_size, "
-                     "output_size, partition=, config=, init_method=)",
     "checkpoint": "use torch.utils.checkpoint.checkpoint or megatron's tensor_parallel.checkpoint; FP8 modules "
                   "recognise the recompute and reuse the first pass's scales",
 }

@@ -14,7 +14,8 @@ from typing import Any, List
 from . import recipe
 from .amax_table import AmaxLayoutMismatch
 from .graphs import GraphedCallable, make_graphed_callables
-from .modules import FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .modules import (DotProductAttention, FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear,
+                      RMSNorm)
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from .scopes import autocast, nonfinite_amax_count
 from .te_compat import (
@@ -30,6 +31,7 @@ from .te_compat import (
     is_nvfp4_available,
     quantized_model_init,
 )
+from .te_checkpoint import checkpoint
 from .tensor import Float8Tensor
 
 # name -> module it lives in; imported on first access because these import megatron-core
@@ -46,6 +48,7 @@ __all__ = [
     "ColumnParallelLinear",
     "CurrentScaling",
     "DelayedScaling",
+    "DotProductAttention",
     "FP8Availability",
     "FP8State",
     "Float8CurrentScaling",
@@ -61,6 +64,7 @@ __all__ = [
     "RMSNorm",
     "RowParallelLinear",
     "autocast",
+    "checkpoint",
     "fp8_autocast",
     "fp8_max",
     "fp8_model_init",

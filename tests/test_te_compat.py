@@ -203,7 +203,7 @@ def test_recipes_refuse_unsupported_values_by_name(make, error, match):
 def test_te_names_not_provided_say_what_to_use():
     with pytest.raises(AttributeError, match="TransformerLayer.*get_gpt_layer_spec"):
         te.TransformerLayer
-    assert not hasattr(te, "DotProductAttention")
+    assert not hasattr(te, "MultiheadAttention")  # DotProductAttention and checkpoint are provided now
 
 
 def test_is_fp8_available_reports_a_reason():

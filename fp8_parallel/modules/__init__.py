@@ -1,7 +1,7 @@
 """FP8 modules: ones with TransformerEngine's signatures (`Linear`, `LayerNormLinear`, `LayerNormMLP`,
-`GroupedLinear`, and the high-precision `LayerNorm` / `RMSNorm`), and tensor-parallel ones with megatron-core's
-signatures (`ColumnParallelLinear`, `RowParallelLinear`, `LayerNormColumnParallelLinear`; they import megatron-core
-on first access). megatron's MoE expert layers are in `modules.grouped`."""
+`GroupedLinear`, and the high-precision `LayerNorm` / `RMSNorm` / `DotProductAttention`), and tensor-parallel
+ones with megatron-core's signatures (`ColumnParallelLinear`, `RowParallelLinear`, `LayerNormColumnParallelLinear`;
+they import megatron-core on first access). megatron's MoE expert layers are in `modules.grouped`."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +10,7 @@ from typing import Any, List
 from ._core import FP8State, fp8_linear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
+from .te_attention import DotProductAttention
 from .te_grouped_linear import GroupedLinear
 from .te_layernorm_linear import LayerNormLinear
 from .te_norm import LayerNorm, RMSNorm
@@ -22,6 +23,7 @@ _MEGATRON_MODULES = {
 
 __all__ = [
     "ColumnParallelLinear",
+    "DotProductAttention",
     "FP8State",
     "GroupedLinear",
     "LayerNorm",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from ._attention_masks import position_mask  # noqa: F401  (moved there; importable from here as before)
 from ._context_parallel import chunk_indices, gather_sequence
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
@@ -40,35 +41,6 @@ _CP_COMM_TYPES = (None, "all_gather")
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[s, b, n, h] -> [b, n, s, h] (a view)."""
     return x.permute(1, 2, 0, 3)
-
-
-def position_mask(
-    q_start: int, q_len: int, k_len: int, causal: bool, window: Optional[Tuple[int, int]], device: torch.device
-) -> Optional[torch.Tensor]:
-    """Which keys each query may attend to (True = attend), `[q_len, k_len]`, or None when all of them.
-
-    Queries sit at absolute positions `q_start ... q_start + q_len - 1`, keys at `0 ... k_len - 1`. `causal`
-    hides later keys; `window = (left, right)` keeps keys within `left` before and `right` after the query
-    (a negative bound is unbounded), as megatron's sliding-window mask does.
-    """
-    last = q_start + q_len - 1
-    causal_needed = causal and q_start < k_len - 1
-    window_needed = window is not None and (
-        (window[0] >= 0 and last - window[0] > 0) or (window[1] >= 0 and q_start + window[1] < k_len - 1)
-    )
-    if not (causal_needed or window_needed):
-        return None
-    q = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1)
-    k = torch.arange(k_len, device=device).unsqueeze(0)
-    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= k <= q
-    if window is not None:
-        if window[0] >= 0:
-            allowed &= k >= q - window[0]
-        if window[1] >= 0:
-            allowed &= k <= q + window[1]
-    return allowed
 
 
 class SDPADotProductAttention(MegatronModule):

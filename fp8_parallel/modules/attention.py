@@ -31,7 +31,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ._attention_masks import position_mask  # noqa: F401  (moved there; importable from here as before)
+from ._attention_masks import position_mask  # moved there (megatron-free); importable from here as before
 from ._context_parallel import chunk_indices, gather_sequence
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)

@@ -15,7 +15,7 @@ from . import recipe
 from .amax_table import AmaxLayoutMismatch
 from .graphs import GraphedCallable, make_graphed_callables
 from .modules import (DotProductAttention, FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear,
-                      RMSNorm)
+                      MultiheadAttention, RMSNorm)
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from .scopes import autocast, nonfinite_amax_count
 from .te_compat import (
@@ -61,6 +61,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
     "RMSNorm",
     "RowParallelLinear",
     "autocast",

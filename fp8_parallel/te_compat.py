@@ -34,7 +34,6 @@ _NO_FP8_PARAMETERS = ("FP8 parameters are not implemented: parameters stay in pa
 
 TE_NAMES_NOT_PROVIDED = {
     "TransformerLayer": "build megatron's TransformerLayer / GPTModel with fp8_parallel.megatron.get_gpt_layer_spec()",
-    "MultiheadAttention": "attention comes from megatron's layer spec (fp8_parallel.megatron.get_gpt_layer_spec())",
 }
 """TransformerEngine names this package does not provide, with what to use instead (the AttributeError that
 `fp8_parallel.<name>` raises says it)."""

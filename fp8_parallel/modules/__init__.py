@@ -1,5 +1,5 @@
 """FP8 modules: ones with TransformerEngine's signatures (`Linear`, `LayerNormLinear`, `LayerNormMLP`,
-`GroupedLinear`, and the high-precision `LayerNorm` / `RMSNorm` / `DotProductAttention`), and tensor-parallel
+`GroupedLinear`, `MultiheadAttention`, and the high-precision `LayerNorm` / `RMSNorm` / `DotProductAttention`), and tensor-parallel
 ones with megatron-core's signatures (`ColumnParallelLinear`, `RowParallelLinear`, `LayerNormColumnParallelLinear`;
 they import megatron-core on first access). megatron's MoE expert layers are in `modules.grouped`."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .linear import Linear
 from .te_attention import DotProductAttention
 from .te_grouped_linear import GroupedLinear
 from .te_layernorm_linear import LayerNormLinear
+from .te_multihead_attention import MultiheadAttention
 from .te_norm import LayerNorm, RMSNorm
 
 _MEGATRON_MODULES = {
@@ -31,6 +32,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
     "RMSNorm",
     "RowParallelLinear",
     "fp8_linear",

@@ -15,7 +15,7 @@ from . import recipe
 from .amax_table import AmaxLayoutMismatch
 from .graphs import GraphedCallable, make_graphed_callables
 from .modules import (DotProductAttention, FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear,
-                      MultiheadAttention, RMSNorm)
+                      MultiheadAttention, RMSNorm, TransformerLayer)
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from .scopes import autocast, nonfinite_amax_count
 from .te_compat import (
@@ -64,6 +64,7 @@ __all__ = [
     "MultiheadAttention",
     "RMSNorm",
     "RowParallelLinear",
+    "TransformerLayer",
     "autocast",
     "checkpoint",
     "fp8_autocast",

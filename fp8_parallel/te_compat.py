@@ -32,9 +32,7 @@ __all__ = [
 _NO_FP8_PARAMETERS = ("FP8 parameters are not implemented: parameters stay in params_dtype, and their FP8 cast is "
                       "cached per step with forward(..., is_first_microbatch=True/False)")
 
-TE_NAMES_NOT_PROVIDED = {
-    "TransformerLayer": "build megatron's TransformerLayer / GPTModel with fp8_parallel.megatron.get_gpt_layer_spec()",
-}
+TE_NAMES_NOT_PROVIDED: dict = {}
 """TransformerEngine names this package does not provide, with what to use instead (the AttributeError that
 `fp8_parallel.<name>` raises says it)."""
 

@@ -1,5 +1,5 @@
 """FP8 modules: ones with TransformerEngine's signatures (`Linear`, `LayerNormLinear`, `LayerNormMLP`,
-`GroupedLinear`, `MultiheadAttention`, and the high-precision `LayerNorm` / `RMSNorm` / `DotProductAttention`), and tensor-parallel
+`GroupedLinear`, `MultiheadAttention`, `TransformerLayer`, and the high-precision `LayerNorm` / `RMSNorm` / `DotProductAttention`), and tensor-parallel
 ones with megatron-core's signatures (`ColumnParallelLinear`, `RowParallelLinear`, `LayerNormColumnParallelLinear`;
 they import megatron-core on first access). megatron's MoE expert layers are in `modules.grouped`."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .te_attention import DotProductAttention
 from .te_grouped_linear import GroupedLinear
 from .te_layernorm_linear import LayerNormLinear
 from .te_multihead_attention import MultiheadAttention
+from .te_transformer_layer import TransformerLayer
 from .te_norm import LayerNorm, RMSNorm
 
 _MEGATRON_MODULES = {
@@ -35,6 +36,7 @@ __all__ = [
     "MultiheadAttention",
     "RMSNorm",
     "RowParallelLinear",
+    "TransformerLayer",
     "fp8_linear",
 ]
 

@@ -32,7 +32,15 @@ __all__ = [
 _NO_FP8_PARAMETERS = ("FP8 parameters are not implemented: parameters stay in params_dtype, and their FP8 cast is "
                       "cached per step with forward(..., is_first_microbatch=True/False)")
 
-TE_NAMES_NOT_PROVIDED: dict = {}
+TE_NAMES_NOT_PROVIDED = {
+    "InferenceParams": "there is no KV cache for inference: the modules refuse inference_params",
+    "Fp8Padding": "GroupedLinear takes any m_splits: FP8 GEMM alignment is handled inside, no padding needed",
+    "Fp8Unpadding": "GroupedLinear takes any m_splits: FP8 GEMM alignment is handled inside, no padding needed",
+    "initialize_ub": "userbuffers communication overlap is not implemented (the ub_* options are refused)",
+    "get_cpu_offload_context": "activation CPU offload is not implemented",
+    "moe_permute": "token permutation for experts comes from megatron's MoE token dispatcher",
+    "moe_unpermute": "token permutation for experts comes from megatron's MoE token dispatcher",
+}
 """TransformerEngine names this package does not provide, with what to use instead (the AttributeError that
 `fp8_parallel.<name>` raises says it)."""
 

@@ -201,9 +201,14 @@ def test_recipes_refuse_unsupported_values_by_name(make, error, match):
 
 
 def test_te_names_not_provided_say_what_to_use():
-    with pytest.raises(AttributeError, match="TransformerLayer.*get_gpt_layer_spec"):
-        te.TransformerLayer
-    assert not hasattr(te, "MultiheadAttention")  # DotProductAttention and checkpoint are provided now
+    for name in ("TransformerLayer", "MultiheadAttention", "DotProductAttention", "GroupedLinear", "checkpoint"):
+        assert callable(getattr(te, name)), name  # provided under TransformerEngine's names
+    with pytest.raises(AttributeError, match="fp8_parallel has no initialize_ub .*userbuffers"):
+        te.initialize_ub
+    with pytest.raises(AttributeError, match="fp8_parallel has no Fp8Padding .*m_splits"):
+        te.Fp8Padding
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
+        te.NoSuchName
 
 
 def test_is_fp8_available_reports_a_reason():

@@ -11,7 +11,6 @@ FP8P_TEST_SEED=<seed> reproduces one.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -24,22 +23,13 @@ import torch
 import fp8_parallel as te
 from fp8_parallel import recipe
 from launcher import launch
+from te_testing import seed_for as _seed, rel_error as _rel, CpuTracker
 
 REPO = Path(__file__).resolve().parents[1]
 HEADS, GROUPS, DIM = 4, 2, 8
 TOL = 2e-5  # float32 module vs float64 reference, relative Frobenius error
 CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
 MASK_TYPES = ("no_mask", "padding", "arbitrary") + CAUSAL_TYPES
-
-
-def _seed(name: str) -> int:
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
-    print(f"{name}: seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
-    return seed
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---- the float64 reference ---------------------------------------------------------------------------------
@@ -329,30 +319,6 @@ def test_tensor_parallel_size_divides_heads():
 
 
 # ---- dropout -----------------------------------------------------------------------------------------------
-
-
-class CpuTracker:
-    """An RNG states tracker with megatron's / TransformerEngine's interface over the CPU generator: `fork()`
-    swaps its own state in and out of the default generator."""
-
-    def __init__(self, seed: int) -> None:
-        self.states_ = {"model-parallel-rng": torch.Generator().manual_seed(seed).get_state()}
-
-    def get_states(self):
-        return dict(self.states_)
-
-    def set_states(self, states) -> None:
-        self.states_ = states
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng"):
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outside)
 
 
 def _dropout_inputs(seed):

@@ -10,7 +10,6 @@ fail). Seeds are random per test and printed; FP8P_TEST_SEED=<seed> reproduces o
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import pytest
@@ -18,43 +17,13 @@ import torch
 
 import fp8_parallel as te
 from fp8_parallel import recipe
+from te_testing import seed_for as _seed, CpuTracker
 
 RECIPES = {
     "delayed": recipe.DelayedScaling(amax_history_len=4, amax_compute_algo="max"),
     "current": recipe.Float8CurrentScaling(),
     "none": None,
 }
-
-
-def _seed(name: str) -> int:
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
-    print(f"{name}: seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
-    return seed
-
-
-class CpuTracker:
-    """megatron's / TransformerEngine's RNG states tracker interface over the CPU generator: `fork()` swaps its
-    own state in and out of the default generator, so torch's checkpoint (which restores the default
-    generator) does not restore it."""
-
-    def __init__(self, seed: int) -> None:
-        self.states_ = {"model-parallel-rng": torch.Generator().manual_seed(seed).get_state()}
-
-    def get_states(self):
-        return dict(self.states_)
-
-    def set_states(self, states) -> None:
-        self.states_ = states
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng"):
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outside)
 
 
 class Block(torch.nn.Module):

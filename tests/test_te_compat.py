@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import fp8_parallel as te
 from fp8_parallel import recipe
+from te_testing import seed_for as _seed, rel_error as _rel
 
 REPO = Path(__file__).resolve().parent.parent
 FWD_TOL, BWD_TOL, HP_TOL = 0.08, 0.12, 1e-5
@@ -32,16 +33,6 @@ RECIPES = {
     "delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
     "current": recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID),
 }
-
-
-def _seed(name: str) -> int:
-    seed = int.from_bytes(os.urandom(4), "little") % 100_000
-    print(f"{name}: seed {seed}")
-    return seed
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---- import hygiene --------------------------------------------------------------------------------------

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fp8_parallel as te
 import fp8_parallel.modules._core as core
 from fp8_parallel import recipe
 from fp8_parallel.scopes import current_scope
+from te_testing import seed_for as _seed, rel_error as _rel
 
 REPO = Path(__file__).resolve().parents[1]
 FWD_TOL, BWD_TOL, HP_TOL, HP_TOL_BF16 = 0.08, 0.12, 1e-5, 1e-2
@@ -33,16 +33,6 @@ RECIPES = {
 }
 IN, OUT = 48, 32
 SPLITS = [13, 0, 40, 11]  # unequal, one GEMM without rows, 64 rows
-
-
-def _seed(name: str) -> int:
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
-    print(f"{name}: seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
-    return seed
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _autocast(rname: str):

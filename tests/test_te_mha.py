@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch
 
 import fp8_parallel as te
 from fp8_parallel import recipe
+from te_testing import seed_for as _seed, rel_error as _rel, CpuTracker
 
 HP_TOL, BF16_TOL, FWD_TOL, BWD_TOL = 2e-5, 0.02, 0.16, 0.24
 RECIPES = {"hp": None, "delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}
-
-
-def _seed(name: str) -> int:
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
-    print(f"{name}: seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
-    return seed
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _scope(name: str):
@@ -452,29 +442,6 @@ def test_thd_packed_equals_padded_bshd():
 
 
 # ---- dropout, recompute --------------------------------------------------------------------------------------
-
-
-class CpuTracker:
-    """megatron's / TransformerEngine's RNG tracker interface over the CPU generator."""
-
-    def __init__(self, seed: int) -> None:
-        self.states_ = {"model-parallel-rng": torch.Generator().manual_seed(seed).get_state()}
-
-    def get_states(self):
-        return dict(self.states_)
-
-    def set_states(self, states) -> None:
-        self.states_ = states
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng"):
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outside)
 
 
 def test_attention_dropout_seeded_tracker_and_eval():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -21,19 +20,10 @@ import torch.nn.functional as F
 import fp8_parallel as te
 from fp8_parallel import recipe
 from launcher import launch
+from te_testing import seed_for as _seed, rel_error as _rel
 
 FWD_TOL, BWD_TOL, HP_TOL = 0.08, 0.12, 1e-5
 DELAYED = recipe.DelayedScaling(amax_history_len=8, amax_compute_algo="max")
-
-
-def _seed(name: str) -> int:
-    seed = int.from_bytes(os.urandom(4), "little") % 100_000
-    print(f"{name}: seed {seed}")
-    return seed
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---- autocast ----------------------------------------------------------------------------------------------

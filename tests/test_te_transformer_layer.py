@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import pytest
 
 import fp8_parallel as te
-from fp8_parallel import recipe
 from test_te_mha import (RECIPES, CpuTracker, _pad, _rel, _scope, _seed, _tolerances, randomize, ref_mha,
                          ref_norm, rope_freqs)
 

@@ -11,7 +11,8 @@ the FP8 roundings they move; current scaling is not compared so: each weight sha
 high-precision path must match float64 to 1e-5. FP8 states must agree
 over the TP group. `autocast(amax_reduction_group=...)` is checked to reduce over exactly that group.
 
-Usage (under torchrun, 2 ranks): te_tp_checks.py
+Usage (under torchrun, 2 ranks): te_tp_checks.py [layers]  (`layers`: MultiheadAttention / TransformerLayer,
+see the section below)
 """
 from __future__ import annotations
 
@@ -258,12 +259,200 @@ def check_autocast_amax_reduction_group():
     assert not torch.equal(scales["alone"][0][0], scales["alone"][1][0]), scales["alone"]
 
 
+# ---- MultiheadAttention / TransformerLayer at TP2 (`te_tp_checks.py layers`, tests/test_te_tp_layers.py) ----
+# Each TP2 module (set_parallel_mode=True) gets the shards of a TP1 module's float32 parameters; both run on the
+# same data. High precision: output, input gradient and every parameter gradient (this rank's shard of the TP1
+# gradient; a replicated parameter under sequence parallelism carries `sequence_parallel` and its gradient is
+# partial per rank: summed over the TP group here, as megatron's DDP / finalize_model_grads sums it) within 1e-5
+# relative. FP8 (delayed scaling, amax group = the TP group): against the TP1 module in high precision within
+# test_te_surface.py's tolerances for FP8 GEMMs in a row (forward 2 * 0.08, backward 2 * 0.12), and against the
+# TP1 module in FP8 (same recipe, same steps, so the same scales) within FP8_TP1_TOL. A key bias's gradient is
+# zero in exact arithmetic (and the key bias unobservable): only its size is checked.
+
+LAYER_HEADS, LAYER_TOL, ZERO_GRAD_TOL = 4, 1e-5, 1e-4
+CHAINED_FWD_TOL, CHAINED_BWD_TOL = 2 * FWD_TOL, 2 * BWD_TOL
+FP8_TP1_TOL = 1e-4  # TP2 vs TP1, both FP8 with the same delayed scales: measured below 1e-6
+
+
+def _layer_init(w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.init.normal_(w, std=0.1)
+
+
+def _mha(fused: bool, groups=None, interleaved: bool = True):
+    return lambda **kw: te.MultiheadAttention(
+        HIDDEN, LAYER_HEADS, attention_dropout=0.0, input_layernorm=True, fuse_qkv_params=fused,
+        num_gqa_groups=groups, qkv_weight_interleaved=interleaved, init_method=_layer_init,
+        output_layer_init_method=_layer_init, device="cpu", **kw)
+
+
+def _layer(**extra):
+    return lambda **kw: te.TransformerLayer(
+        HIDDEN, FFN, LAYER_HEADS, hidden_dropout=0.0, attention_dropout=0.0, init_method=_layer_init,
+        output_layer_init_method=_layer_init, device="cpu", **extra, **kw)
+
+
+# kind -> (build(**tp_kwargs), spec): spec["gated"]: fc1 is [gate; linear] (each half split separately);
+# spec["qkv_parts"]: row sizes of a fused, non-interleaved QKV weight ([queries; keys; values], each part split
+# separately); an interleaved fused QKV weight is grouped per key/value head, so a plain row chunk is its split
+_KV = HIDDEN // LAYER_HEADS
+LAYER_CASES = {
+    "MHA-fused": (_mha(True), {}),
+    "MHA-split": (_mha(False), {}),
+    "MHA-gqa2-fused": (_mha(True, 2), {}),
+    "MHA-gqa2-split": (_mha(False, 2), {}),
+    "MHA-gqa2-fused-concat": (_mha(True, 2, interleaved=False), {"qkv_parts": (HIDDEN, 2 * _KV, 2 * _KV)}),
+    "TransformerLayer": (_layer(), {}),
+    "TransformerLayer-rmsnorm-swiglu": (_layer(normalization="RMSNorm", activation="swiglu"), {"gated": True}),
+}
+
+
+def _is_fused_qkv(name: str) -> bool:
+    owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+    return leaf in ("weight", "bias") and owner.split(".")[-1] in ("qkv", "layernorm_qkv")
+
+
+def _layer_shard(name: str, full: torch.Tensor, part: torch.nn.Parameter, spec: dict) -> torch.Tensor:
+    """This rank's piece of a TP1 parameter (or of its gradient) for the TP module's parameter `part`."""
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    if not getattr(part, "tensor_model_parallel", False):
+        return full
+    leaf = name.rsplit(".", 1)[-1]
+    if spec.get("gated") and leaf.startswith("fc1_"):
+        return _gated_rows(full, rank, tp)
+    if spec.get("qkv_parts") and _is_fused_qkv(name):
+        return torch.cat([p.chunk(tp, 0)[rank] for p in full.split(spec["qkv_parts"], dim=0)])
+    return full.chunk(tp, dim=part.partition_dim)[rank]
+
+
+def _layer_pair(kind: str, sp: bool):
+    """(TP1 module, TP2 module holding its shards) for `kind`; same seed on every rank."""
+    build, spec = LAYER_CASES[kind]
+    torch.manual_seed(test_seed() % 100_000)
+    full = build()
+    with torch.no_grad():  # non-trivial biases and norm gains
+        for name, p in full.named_parameters():
+            if "bias" in name:
+                p.normal_(std=0.5)
+            elif "layer_norm_weight" in name:
+                p.add_(torch.rand_like(p) * 0.5)
+    part = build(tp_group=dist.group.WORLD, set_parallel_mode=True, sequence_parallel=sp)
+    full_params, part_params = dict(full.named_parameters()), dict(part.named_parameters())
+    assert list(full_params) == list(part_params), (kind, list(full_params), list(part_params))
+    with torch.no_grad():
+        for name, pp in part_params.items():
+            piece = _layer_shard(name, full_params[name], pp, spec)
+            assert piece.shape == pp.shape, (kind, name, piece.shape, pp.shape)
+            pp.copy_(piece)
+    return full, part, spec
+
+
+def _reduced_grad(p: torch.nn.Parameter, sp: bool) -> torch.Tensor:
+    """`p`'s gradient as the caller uses it: a replicated parameter's partial sequence-parallel gradient summed
+    over the TP group (what megatron's DDP / finalize_model_grads does for `sequence_parallel` parameters)."""
+    if sp and not getattr(p, "tensor_model_parallel", False) and getattr(p, "sequence_parallel", False):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=dist.group.WORLD)
+        return grad
+    return p.grad
+
+
+def _fwd_bwd(module, x, g, fp8: bool, steps: int = 1):
+    for _ in range(steps):
+        module.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_()
+        with te.autocast(enabled=fp8, recipe=RECIPES["delayed"] if fp8 else None,
+                         amax_reduction_group=dist.group.WORLD if fp8 else None):
+            y = module(xi)
+        y.backward(g)
+    return y.detach(), xi.grad
+
+
+def _check_layer_case(kind: str, sp: bool, fp8: bool):
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    full, part, spec = _layer_pair(kind, sp)
+    gen = torch.Generator().manual_seed(test_seed() % 100_000 + 1)
+    x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    g_full = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    x, g = (x_full.chunk(tp, 0)[rank], g_full.chunk(tp, 0)[rank]) if sp else (x_full, g_full)
+    label = f"{kind} tp={tp} sp={sp} fp8={fp8} seed={test_seed()}"
+    # the TP1 module in high precision is the reference of both paths
+    y_ref, dx_ref = _fwd_bwd(full, x_full, g_full, fp8=False)
+    # delayed scaling needs a step to get scales: the last of 3 steps on the same data is compared
+    y, dx = _fwd_bwd(part, x, g, fp8=fp8, steps=3 if fp8 else 1)
+    # this rank's outputs against this rank's piece of the reference (sequence parallel: its sequence shard;
+    # otherwise the whole output and input gradient on every rank)
+    y_exp, dx_exp = (y_ref.chunk(tp, 0)[rank], dx_ref.chunk(tp, 0)[rank]) if sp else (y_ref, dx_ref)
+    assert y.shape == y_exp.shape and dx.shape == dx_exp.shape, (label, y.shape, y_exp.shape, dx.shape)
+    errs = {"out": _rel(y, y_exp), "dx": _rel(dx, dx_exp)}
+    full_params, zeros = dict(full.named_parameters()), {}
+    for name, p in part.named_parameters():
+        assert p.grad is not None, (label, name, "no gradient")
+        grad = p.grad
+        if not getattr(p, "tensor_model_parallel", False):
+            # replicated: under sequence parallelism its gradient is partial per rank (the caller sums it over
+            # the TP group, megatron's convention), so it must say so; without, every rank has the whole one
+            assert bool(getattr(p, "sequence_parallel", False)) == sp, (label, name, "sequence_parallel attribute")
+            grad = _reduced_grad(p, sp)
+        if name.endswith("key_bias"):
+            # zero in exact arithmetic (softmax ignores a shift shared by all keys): round-off on both sides, so
+            # its size against the query bias's gradient is checked instead of a relative difference
+            ref = full_params[name.replace("key_bias", "query_bias")].grad.norm()
+            zeros[name] = max(grad.norm().item(), full_params[name].grad.norm().item()) / ref.item()
+            continue
+        errs[f"d:{name}"] = _rel(grad, _layer_shard(name, full_params[name].grad, p, spec))
+    worst = max(errs, key=errs.get)
+    print(f"rank {rank} {label} out {errs['out']:.1e} dx {errs['dx']:.1e} worst {worst} {errs[worst]:.1e}",
+          flush=True)
+    if zeros:
+        print(f"rank {rank} {label} zero gradients (relative to the query bias's) {zeros}", flush=True)
+        assert all(v < ZERO_GRAD_TOL for v in zeros.values()), (label, zeros)
+    if not fp8:
+        bad = {k: v for k, v in errs.items() if not v < LAYER_TOL}
+        assert not bad, (label, bad)
+    else:
+        bad = {k: v for k, v in errs.items() if not v < (CHAINED_FWD_TOL if k == "out" else CHAINED_BWD_TOL)}
+        assert not bad, (label, bad)
+        assert errs["out"] > 0, f"{label}: the FP8 scope ran in high precision"
+        # the FP8 state agrees over the TP group (the amax domain)
+        for name, buf in part.named_buffers():
+            pieces = _gather(buf.unsqueeze(0), 0)
+            assert all(torch.equal(pieces[0], q) for q in pieces[1:]), (label, name)
+        # the TP1 module in FP8, same recipe and steps: with the TP group as amax group the scales are TP1's
+        y1, dx1 = _fwd_bwd(full, x_full, g_full, fp8=True, steps=3)
+        y1, dx1 = (y1.chunk(tp, 0)[rank], dx1.chunk(tp, 0)[rank]) if sp else (y1, dx1)
+        rel = {"out": _rel(y, y1), "dx": _rel(dx, dx1)}
+        for name, p in part.named_parameters():
+            if not name.endswith("key_bias"):
+                grad = _reduced_grad(p, sp)
+                rel[f"d:{name}"] = _rel(grad, _layer_shard(name, full_params[name].grad, p, spec))
+        worst = max(rel, key=rel.get)
+        print(f"rank {rank} {label} vs TP1 in FP8 out {rel['out']:.1e} dx {rel['dx']:.1e} worst {worst} "
+              f"{rel[worst]:.1e}", flush=True)
+        assert all(v < FP8_TP1_TOL for v in rel.values()), (label, "vs TP1 in FP8", rel)
+
+
+def _layer_check(kind: str):
+    def check():
+        for sp in (False, True):
+            for fp8 in (False, True):
+                _check_layer_case(kind, sp, fp8)
+    return check
+
+
+LAYER_CHECKS = [(f"layers_tp2:{kind}", _layer_check(kind)) for kind in LAYER_CASES]
+
+
 if __name__ == "__main__":
+    import sys
+
     dist.init_process_group("gloo")
     print(f"seed {test_seed()}", flush=True)
-    run_checks([
-        ("tp_parameter_attributes", check_tp_parameter_attributes),
-        ("autocast_amax_reduction_group", check_autocast_amax_reduction_group),
-        ("modules_tp2", check_modules_tp2),
-    ])
+    if sys.argv[1:] == ["layers"]:
+        run_checks(LAYER_CHECKS)
+    else:
+        run_checks([
+            ("tp_parameter_attributes", check_tp_parameter_attributes),
+            ("autocast_amax_reduction_group", check_autocast_amax_reduction_group),
+            ("modules_tp2", check_modules_tp2),
+        ])
     dist.destroy_process_group()

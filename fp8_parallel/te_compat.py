@@ -68,7 +68,8 @@ def fp8_autocast(
     Raises:
         NotImplementedError: `calibrating=True`.
         TypeError: a recipe that is not one of ours (e.g. TransformerEngine's own), a recipe passed as the
-            first positional argument (that is `enabled`), or a group that is not a ProcessGroup.
+            first or second positional argument (those are `enabled` and `calibrating`), or a group that is
+            not a ProcessGroup.
     """
     if isinstance(enabled, Recipe):
         raise TypeError(
@@ -77,6 +78,11 @@ def fp8_autocast(
         )
     if enabled is not None and not isinstance(enabled, (bool, int)):
         raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected a bool")
+    if isinstance(calibrating, Recipe):
+        raise TypeError(
+            f"fp8_autocast(enabled, calibrating={calibrating!r}): the second positional argument is "
+            "`calibrating`; pass the recipe as fp8_recipe=..."
+        )
     if calibrating:
         raise NotImplementedError(
             "fp8_autocast(calibrating=True) is not supported: fp8_parallel has no calibration mode (amaxes "

@@ -270,7 +270,8 @@ def load_checkpoint(
                 skip = fp8_keys
             elif stale:
                 raise CheckpointError(f"checkpoint {ckpt}: FP8 state {sorted(k for _, k in stale)[:3]} differs in "
-                                      f"shape from this model's ({layouts})")
+                                      f"shape from this model's ({_history_change(meta['run_args'], run_args)}"
+                                      f"{layouts})")
         for chunk_key, key in skip:
             del sharded[chunk_key][key]
         _check_tensors(ckpt, sharded, ckpt_tensors, layouts)
@@ -313,6 +314,13 @@ def _run_fp8(model: List[torch.nn.Module], run_args: Dict[str, Any]) -> Optional
     """The FP8 format the run trains with: the model's `config.fp8`, else megatron's `fp8` argument in
     `run_args` (the job keeps FP8 out of megatron's config and opens the FP8 scope itself)."""
     return cs.fp8_enabled(model) or run_args.get("fp8") or None
+
+
+def _history_change(saved: Dict[str, Any], current: Dict[str, Any]) -> str:
+    """'amax history length: checkpoint 16, this run 1024; ' when it differs (the history's shape), else ''."""
+    key = "fp8_amax_history_len"
+    a, b = (saved or {}).get(key), current.get(key)
+    return f"--fp8-amax-history-len: checkpoint {a}, this run {b}; " if a is not None and a != b else ""
 
 
 def _matches(sh_ten, ckpt_tensors: Dict[str, Any]) -> bool:

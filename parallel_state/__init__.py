@@ -2,7 +2,7 @@
 
 `initialize(tp, pp, vpp, cp, ep, etp)` starts torch.distributed from torchrun's environment and megatron's
 groups; the getters read megatron's groups back; `dense_amax_group` / `expert_amax_group` give the FP8 amax
-reduction domains. `device_compat` lets megatron's CUDA-only code run on CPU with gloo.
+reduction domains. `cpu_compat()` lets megatron's CUDA-only code run on CPU with gloo.
 """
 from .device_compat import cpu_compat, needs_cpu_compat
 from .groups import (

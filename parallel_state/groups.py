@@ -54,6 +54,22 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _refuse_helper_process() -> None:
+    """Refuse to start in a multiprocessing child of a torchrun rank: that is a helper process (megatron's
+    checkpoint writer starts one with the spawn method) re-running the main script, whose code is not under
+    `if __name__ == "__main__":`. Joining the rank's rendezvous from there would hang both."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name == "MainProcess" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    raise RuntimeError(
+        f"parallel_state.initialize called in process {multiprocessing.current_process().name!r}, a child "
+        f"of torchrun rank {os.environ.get('RANK', '?')} (a helper process such as megatron's checkpoint "
+        "writer re-imported the main script). Put the script's code in a function called under "
+        "`if __name__ == \"__main__\":`"
+    )
+
+
 def default_backend() -> str:
     """NCCL when CUDA is available, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -81,10 +97,13 @@ def initialize(
 
     Raises:
         ParallelLayoutError: sizes that do not fit the world size, before any collective is issued.
+        RuntimeError: called in a multiprocessing child of a torchrun rank (the main script re-imported by a
+            helper process: its code needs an `if __name__ == "__main__":` guard).
     """
     global _EXTRAS
     if _EXTRAS is not None:
         raise RuntimeError(f"parallel_state is already initialized with {_EXTRAS.sizes.describe()}")
+    _refuse_helper_process()
     sizes = ParallelSizes(world=_world_size_from_env(), tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
     owns = False
     if not dist.is_initialized():

@@ -52,3 +52,14 @@ def test_job_saved_pp2_vpp2_resumes_without_virtual_stages(tmp_path):
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed
     for a, b in zip(whole[4:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["iteration"], a["loss"], b["loss"])
+
+
+def test_job_refuses_another_amax_history_length_naming_it(tmp_path):
+    """The amax history's shape is [2, history]: resuming with another --fp8-amax-history-len is refused with
+    an error that names both lengths (it once blamed the parallel layouts, which were the same)."""
+    common = TINY + ["--fp8-format", "hybrid", "--num-layers", "2", "--train-iters", "2"]
+    ckpt = tmp_path / "ckpt"
+    _torchrun(tmp_path, 2, common + ["--fp8-amax-history-len", "4", "--save", str(ckpt), "--save-interval", "2"])
+    out = _torchrun(tmp_path, 2, common + ["--fp8-amax-history-len", "8", "--load", str(ckpt),
+                                           "--train-iters", "3"], expect_ok=False)
+    assert "--fp8-amax-history-len: checkpoint 4, this run 8" in out, out[-5000:]

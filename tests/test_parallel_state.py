@@ -45,3 +45,45 @@ def test_megatron_gpt_dense_and_moe_train_on_cpu():
     launch(
         "gpt_cpu_checks.py", 4, expect_checks=["gpt_dense_trains_on_cpu", "gpt_moe_ep2_trains_on_cpu"], timeout=400
     )
+
+
+UNGUARDED_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import parallel_state as ps
+from parallel_state import cpu_compat
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+ps.initialize(tp=1)  # no `if __name__ == "__main__":` guard
+sd = {"w": ShardedTensor.from_rank_offsets("w", torch.randn(4, 4), replica_id=dist.get_rank())}
+with cpu_compat():
+    dist_checkpointing.save(sd, sys.argv[1])
+print("SAVED", flush=True)
+"""
+
+
+def test_unguarded_script_fails_instead_of_hanging(tmp_path):
+    """megatron's checkpoint writer starts a helper process with the spawn method, which re-runs a main script
+    without an `if __name__ == "__main__":` guard; its `initialize` joined the rank's rendezvous and both hung
+    (seen: 18 minutes). It now refuses in the helper, naming the guard, and the job exits within seconds."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launcher import _free_port
+
+    repo = Path(__file__).resolve().parents[1]
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    (tmp_path / "ckpt").mkdir()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(script), str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "SAVED" not in out, out[-5000:]
+    assert "if __name__ == \"__main__\":" in out and "SyncManager" in out, out[-5000:]

@@ -129,6 +129,8 @@ def test_fp8_autocast_refuses_what_it_does_not_do():
         te.fp8_autocast(enabled=False, calibrating=True)
     with pytest.raises(TypeError, match="first positional argument is `enabled`"):
         te.fp8_autocast(recipe.DelayedScaling())
+    with pytest.raises(TypeError, match="second positional argument is `calibrating`"):
+        te.fp8_autocast(True, recipe.DelayedScaling())
 
     class ForeignRecipe:  # e.g. transformer_engine.common.recipe.DelayedScaling
         pass

@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, default=40)
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=4)
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="as megatron's")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
                    default="cosine")
     g.add_argument("--clip-grad", type=float, default=1.0)
@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-json", default=None, help="one JSON object per iteration")
     g.add_argument("--no-progress-bar", action="store_true")
+    for action in p._actions:  # --help shows every default
+        if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
+                and "default" not in (action.help or ""):
+            action.help = (action.help + "; " if action.help else "") + "default: %(default)s"
     return p
 
 

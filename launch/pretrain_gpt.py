@@ -27,6 +27,8 @@ def _filter_megatron_warnings(rank: int) -> None:
     """Rank 0 shows each warning once; other ranks would repeat the same ones, so they show none."""
     warnings.simplefilter("once" if rank == 0 else "ignore")
     warnings.filterwarnings("ignore", message=_FALLBACK)
+    # megatron's distributed optimizer reads `.grad` of its shard views in zero_grad (harmless: it clears them)
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
     if rank == 0:
         import importlib.util
 

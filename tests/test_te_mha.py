@@ -234,13 +234,14 @@ def _pad(gen, b, s):
     return torch.arange(s)[None, :] >= lengths[:, None]  # [b, s], True = padded
 
 
-def run_mha_case(name: str, cfg: dict, rname: str, dtype: torch.dtype, seed: int, break_it: bool = False):
-    """Module vs float64 reference; returns the worst (forward, backward) errors and fails on tolerance."""
+def run_mha_case(name: str, cfg: dict, rname: str, dtype: torch.dtype, seed: int, break_it: bool = False,
+                 device: str = "cpu"):
+    """Module (on `device`) vs float64 CPU reference; returns the errors and fails on tolerance."""
     cfg = dict(cfg)
     rope = cfg.pop("rope", None)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    mha = te.MultiheadAttention(HIDDEN, HEADS, attention_dropout=0.0, params_dtype=dtype, device="cpu", **cfg)
+    mha = te.MultiheadAttention(HIDDEN, HEADS, attention_dropout=0.0, params_dtype=dtype, device=device, **cfg)
     randomize(mha, gen)
     cfg.update(num_attention_heads=HEADS)
     fmt = cfg.get("qkv_format", "sbhd")
@@ -261,15 +262,20 @@ def run_mha_case(name: str, cfg: dict, rname: str, dtype: torch.dtype, seed: int
     def to_fmt(t):
         return t.transpose(0, 1).contiguous() if fmt == "bshd" else t
 
-    xm = to_fmt(x).to(dtype).requires_grad_()
-    em = to_fmt(enc).to(dtype).requires_grad_() if cross else None
+    xm = to_fmt(x).to(device=device, dtype=dtype).requires_grad_()
+    em = to_fmt(enc).to(device=device, dtype=dtype).requires_grad_() if cross else None
+
+    def on_device(m):
+        return None if m is None else tuple(t.to(device) for t in m) if isinstance(m, tuple) else m.to(device)
+
     with _scope(rname):
-        outs = mha(xm, attention_mask=mask, encoder_output=em, rotary_pos_emb=freqs)
+        outs = mha(xm, attention_mask=on_device(mask), encoder_output=em, rotary_pos_emb=on_device(freqs))
     outs = outs if isinstance(outs, tuple) else (outs,)
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs if o.requires_grad]
-    torch.autograd.backward([o for o in outs if o.requires_grad], [g.to(dtype) for g in grads])
+    torch.autograd.backward([o for o in outs if o.requires_grad], [g.to(device=device, dtype=dtype) for g in grads])
+    outs = tuple(o.cpu() for o in outs)
 
-    P = {n: p.detach().double().requires_grad_() for n, p in mha.named_parameters()}
+    P = {n: p.detach().cpu().double().requires_grad_() for n, p in mha.named_parameters()}
     xr = x.clone().requires_grad_()
     er = enc.clone().requires_grad_() if cross else None
     out, bias, ln_out = ref_mha(P, cfg, xr, er, mask_type, q_pad, kv_pad, theta)
@@ -287,18 +293,19 @@ def run_mha_case(name: str, cfg: dict, rname: str, dtype: torch.dtype, seed: int
     errors = {}
     for i, (o, r) in enumerate(zip(outs, ref)):
         errors[f"out{i}"] = (_rel(o, r), fwd_tol)
-    errors["dx"] = (_rel(xm.grad, to_fmt(xr.grad)), bwd_tol)
+    errors["dx"] = (_rel(xm.grad.cpu(), to_fmt(xr.grad)), bwd_tol)
     if cross:
-        errors["denc"] = (_rel(em.grad, to_fmt(er.grad)), bwd_tol)
+        errors["denc"] = (_rel(em.grad.cpu(), to_fmt(er.grad)), bwd_tol)
     for n, p in mha.named_parameters():
         assert p.grad is not None, n
+        grad = p.grad.cpu()
         if n.endswith("key_bias"):
             # a key bias shifts every score of a query's row equally: its exact gradient is 0 (softmax is
             # shift-invariant), so its error is measured against the value bias's gradient
             scale = P[n.replace("key_bias", "value_bias")].grad.norm()
-            errors[f"d{n}"] = (((p.grad.double() - P[n].grad).norm() / scale).item(), bwd_tol)
+            errors[f"d{n}"] = (((grad.double() - P[n].grad).norm() / scale).item(), bwd_tol)
             continue
-        errors[f"d{n}"] = (_rel(p.grad, P[n].grad), bwd_tol)
+        errors[f"d{n}"] = (_rel(grad, P[n].grad), bwd_tol)
     bad = {k: v for k, v in errors.items() if not v[0] < v[1]}
     assert not bad, f"{name}/{rname}/{dtype}: over tolerance {bad}"
     return errors
@@ -482,3 +489,18 @@ def test_checkpoint_core_attention_is_bitwise():
         runs.append([x.grad] + [p.grad for p in mha.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+GPU_CONFIGS = ["self/ln/fused/interleaved/gqa/rmsnorm/zc", "cross/unfused/gqa", "self/ln/unfused/gqa",
+               "self/rotary/qknorm/return", "self/padding/bshd"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_mha_matches_float64_reference(name, rname, dtype):
+    """On the GPU (FP8 GEMMs on the tensor cores, SDPA's GPU kernels), every parameter dtype, against the
+    float64 CPU reference with the CPU test's tolerances (float16 as bfloat16's)."""
+    seed = _seed(f"gpu/mha/{name}/{rname}/{dtype}")
+    run_mha_case(name, CONFIGS[name], rname, dtype, seed, device="cuda")

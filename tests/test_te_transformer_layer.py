@@ -97,13 +97,14 @@ CONFIGS = {
 }
 
 
-def run_layer_case(name, cfg, rname, dtype, seed, break_it=False):
+def run_layer_case(name, cfg, rname, dtype, seed, break_it=False, device="cpu"):
+    """Layer (on `device`) vs float64 CPU reference; fails on tolerance."""
     cfg = dict(cfg)
     rope = cfg.pop("rope", None)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
-                                device="cpu", **cfg)
+                                device=device, **cfg)
     randomize(layer, gen)
     fmt = cfg.get("attn_input_format", "sbhd")
     decoder = cfg.get("layer_type") == "decoder"
@@ -122,32 +123,36 @@ def run_layer_case(name, cfg, rname, dtype, seed, break_it=False):
     def to_fmt(t):
         return t.transpose(0, 1).contiguous() if fmt == "bshd" else t
 
-    xm = to_fmt(x).to(dtype).requires_grad_()
-    em = to_fmt(enc).to(dtype).requires_grad_() if decoder else None
+    xm = to_fmt(x).to(device=device, dtype=dtype).requires_grad_()
+    em = to_fmt(enc).to(device=device, dtype=dtype).requires_grad_() if decoder else None
     with _scope(rname):
-        out = layer(xm, attention_mask=None if q_pad is None else q_pad[:, None, None, :], encoder_output=em,
-                    enc_dec_attn_mask=None if cross_pads is None else tuple(p[:, None, None, :] for p in cross_pads),
-                    rotary_pos_emb=freqs)
+        out = layer(xm, attention_mask=None if q_pad is None else q_pad[:, None, None, :].to(device),
+                    encoder_output=em,
+                    enc_dec_attn_mask=None if cross_pads is None else tuple(p[:, None, None, :].to(device)
+                                                                           for p in cross_pads),
+                    rotary_pos_emb=None if freqs is None else freqs.to(device))
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    out.backward(g.to(dtype))
+    out.backward(g.to(device=device, dtype=dtype))
+    out = out.cpu()
 
-    P = {n: p.detach().double().requires_grad_() for n, p in layer.named_parameters()}
+    P = {n: p.detach().cpu().double().requires_grad_() for n, p in layer.named_parameters()}
     xr = x.clone().requires_grad_()
     er = enc.clone().requires_grad_() if decoder else None
     ref = to_fmt(ref_layer(P, cfg, xr, er, self_mask, q_pad, cross_pads, theta, break_it))
     ref.backward(g)
 
     fwd_tol, bwd_tol = _tolerances(rname, dtype)
-    errors = {"out": (_rel(out, ref), fwd_tol), "dx": (_rel(xm.grad, to_fmt(xr.grad)), bwd_tol)}
+    errors = {"out": (_rel(out, ref), fwd_tol), "dx": (_rel(xm.grad.cpu(), to_fmt(xr.grad)), bwd_tol)}
     if decoder:
-        errors["denc"] = (_rel(em.grad, to_fmt(er.grad)), bwd_tol)
+        errors["denc"] = (_rel(em.grad.cpu(), to_fmt(er.grad)), bwd_tol)
     for n, p in layer.named_parameters():
         assert p.grad is not None, n
+        grad = p.grad.cpu()
         if n.endswith("key_bias"):  # exact gradient 0 (softmax shift invariance): against the value bias's
             scale = P[n.replace("key_bias", "value_bias")].grad.norm()
-            errors[f"d{n}"] = (((p.grad.double() - P[n].grad).norm() / scale).item(), bwd_tol)
+            errors[f"d{n}"] = (((grad.double() - P[n].grad).norm() / scale).item(), bwd_tol)
             continue
-        errors[f"d{n}"] = (_rel(p.grad, P[n].grad), bwd_tol)
+        errors[f"d{n}"] = (_rel(grad, P[n].grad), bwd_tol)
     bad = {k: v for k, v in errors.items() if not v[0] < v[1]}
     assert not bad, f"{name}/{rname}/{dtype}: over tolerance {bad}"
 
@@ -257,3 +262,13 @@ def test_checkpoint_around_the_layer_is_bitwise(rname):
         runs.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("name", ["encoder", "encoder/rmsnorm/swiglu/gqa/fused/zc"])
+def test_gpu_layer_matches_float64_reference(name, rname, dtype):
+    """On the GPU, every parameter dtype, against the float64 CPU reference (the CPU test's tolerances)."""
+    seed = _seed(f"gpu/layer/{name}/{rname}/{dtype}")
+    run_layer_case(name, CONFIGS[name], rname, dtype, seed, device="cuda")

@@ -40,9 +40,10 @@ def _autocast(rname: str):
     return te.autocast(enabled=rec is not None, recipe=rec)
 
 
-def _grouped(gen: torch.Generator, n: int = len(SPLITS), dtype=torch.float32, **kwargs) -> te.GroupedLinear:
+def _grouped(gen: torch.Generator, n: int = len(SPLITS), dtype=torch.float32, device: str = "cpu",
+             **kwargs) -> te.GroupedLinear:
     """A module with random weights and biases (never the zero-initialized biases)."""
-    lin = te.GroupedLinear(n, IN, OUT, device="cpu", params_dtype=dtype, **kwargs)
+    lin = te.GroupedLinear(n, IN, OUT, device=device, params_dtype=dtype, **kwargs)
     with torch.no_grad():
         for name, p in lin.named_parameters():
             scale = IN**-0.5 if name.startswith("weight") else 0.5
@@ -69,20 +70,32 @@ def _reference(lin: te.GroupedLinear, x: torch.Tensor, splits, dy: torch.Tensor)
 def test_matches_float64(rname, dtype, shape):
     """Three steps (delayed scaling updates its scales after each), unequal splits with an empty GEMM; a 3-D
     input `[s, b, in]` is split over its flattened rows, as in TransformerEngine."""
-    seed = _seed(f"float64/{rname}/{dtype}/{shape}")
+    _check_float64(rname, dtype, shape, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_gpu_matches_float64(rname, dtype):
+    """The same on the GPU (FP8 GEMMs on the tensor cores), every parameter dtype."""
+    _check_float64(rname, dtype, "3d", "cuda")
+
+
+def _check_float64(rname: str, dtype: torch.dtype, shape: str, device: str) -> None:
+    seed = _seed(f"float64/{rname}/{dtype}/{shape}/{device}")
     gen = torch.Generator().manual_seed(seed)
-    lin = _grouped(gen, dtype=dtype)
+    lin = _grouped(gen, dtype=dtype, device=device)
     fp8 = RECIPES[rname] is not None
     hp_tol = HP_TOL if dtype == torch.float32 else HP_TOL_BF16
     fwd_tol, bwd_tol = (FWD_TOL, BWD_TOL) if fp8 else (hp_tol, hp_tol)
     in_shape = (64, IN) if shape == "2d" else (16, 4, IN)
     for step in range(3):
         lin.zero_grad(set_to_none=True)
-        x = (torch.randn(in_shape, generator=gen) * 3).to(dtype).requires_grad_()
+        x = (torch.randn(in_shape, generator=gen) * 3).to(device=device, dtype=dtype).requires_grad_()
         with _autocast(rname):
             y = lin(x, SPLITS)
         assert y.shape == (*in_shape[:-1], OUT) and y.dtype == dtype
-        dy = torch.randn(y.shape, generator=gen).to(dtype)
+        dy = torch.randn(y.shape, generator=gen).to(device=device, dtype=dtype)
         y.backward(dy)
         y64, dx64, dw64, db64 = _reference(lin, x, SPLITS, dy)
         where = f"step {step} (seed {seed})"

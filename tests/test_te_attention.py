@@ -125,7 +125,22 @@ def test_matches_float64_reference(mask_type, fmt, shape, windowed):
     """Forward and the query/key/value gradients of every mask type, both padded formats, self- and
     cross-attention shapes (queries fewer than keys), with and without a sliding window, 4 query heads over 2
     key/value heads, against the float64 reference."""
-    seed = _seed(f"{mask_type}/{fmt}/{shape}/{windowed}")
+    _check_reference(mask_type, fmt, shape, windowed, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_type", MASK_TYPES)
+def test_gpu_matches_float64_reference(mask_type, dtype):
+    """The same on the GPU (torch's flash / efficient / cuDNN SDPA kernels), every input dtype, with and
+    without a window; tolerance 1e-4 in float32 (GPU kernels reorder sums), 2e-2 in 16-bit."""
+    for windowed in (False, True):
+        _check_reference(mask_type, "sbhd", "cross", windowed, "cuda", dtype)
+
+
+def _check_reference(mask_type: str, fmt: str, shape: str, windowed: bool, device: str, dtype: torch.dtype):
+    tol = TOL if device == "cpu" else (1e-4 if dtype == torch.float32 else 2e-2)
+    seed = _seed(f"{mask_type}/{fmt}/{shape}/{windowed}/{device}/{dtype}")
     gen = torch.Generator().manual_seed(seed)
     b, sq, sk = 3, 8, (8 if shape == "self" else 11)
     q, k, v = _inputs(gen, b, sq, sk)
@@ -145,19 +160,24 @@ def test_matches_float64_reference(mask_type, fmt, shape, windowed):
     window = _window(mask_type) if windowed else None
     attn = te.DotProductAttention(HEADS, DIM, num_gqa_groups=GROUPS, qkv_format=fmt, attn_mask_type=mask_type,
                                   window_size=window, attention_type=shape)
-    xs = [_to(fmt, t).requires_grad_() for t in (q, k, v)]
+    xs = [_to(fmt, t).to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        kwargs["attention_mask"] = tuple(m.to(device) for m in mask) if isinstance(mask, tuple) else mask.to(device)
     out = attn(*xs, **kwargs)
     assert out.shape == ((sq, b, HEADS * DIM) if fmt == "sbhd" else (b, sq, HEADS * DIM))
     grad = torch.randn(b, sq, HEADS, DIM, generator=gen)
-    (_from_out(fmt, out, HEADS) * grad).sum().backward()
+    (_from_out(fmt, out, HEADS) * grad.to(device=device, dtype=dtype)).sum().backward()
+    out = out.cpu()
 
     rs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = reference(*rs, mask_type, window=window, **ref_kwargs)
     (ref * grad.double()).sum().backward()
     assert ref.abs().sum() > 0
-    assert _rel(_from_out(fmt, out, HEADS), ref) < TOL
+    assert _rel(_from_out(fmt, out, HEADS), ref) < tol
     for x, r, name in zip(xs, rs, "qkv"):
-        assert _rel(x.grad.transpose(0, 1) if fmt == "sbhd" else x.grad, r.grad) < TOL, name
+        xg = x.grad.cpu()
+        assert _rel(xg.transpose(0, 1) if fmt == "sbhd" else xg, r.grad) < tol, name
 
 
 @pytest.mark.parametrize("bottom_right", [None, False, True])

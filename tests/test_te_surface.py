@@ -189,6 +189,30 @@ def test_norms_match_float64(kind, zero_centered):
     assert all(_rel(p.grad, q.grad) < HP_TOL for p, q in zip(norm.parameters(), pd))
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norms_bitwise_equal_for_a_transposed_input(kind):
+    # TransformerEngine's test_numerics.py::test_noncontiguous: a transposed (non-contiguous) input gives the
+    # same output and gradients as its contiguous copy, bit for bit (torch's rms_norm backward reduces the
+    # weight gradient in another order for a non-contiguous input: 4e-6 apart)
+    seed = _seed(f"{kind}/noncontiguous")
+    torch.manual_seed(seed)
+    norm_t = getattr(te, kind)(128, device="cpu")
+    norm_c = getattr(te, kind)(128, device="cpu")
+    with torch.no_grad():
+        for p, q in zip(norm_t.parameters(), norm_c.parameters()):
+            p.add_(torch.randn_like(p) * 0.3)
+            q.copy_(p)
+    a = torch.randn(128, 256).T.requires_grad_()
+    b = a.detach().contiguous().requires_grad_()
+    assert not a.is_contiguous()
+    ya, yb = norm_t(a), norm_c(b)
+    g = torch.randn_like(yb)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(norm_t.parameters(), norm_c.parameters()))
+
+
 def test_norm_arguments_as_te_takes_them():
     ln = te.LayerNorm((4, 8), device="cpu", dtype=torch.bfloat16)  # trailing dims, like torch.nn.LayerNorm
     x = torch.randn(3, 4, 8, dtype=torch.bfloat16)

@@ -80,6 +80,7 @@ class LayerNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
+        inp = inp.contiguous()  # results independent of the input's strides (torch reduces in stride order)
         return F.layer_norm(inp, self.normalized_shape, self._gain(inp), self.bias.to(inp.dtype), self.eps)
 
 
@@ -92,4 +93,5 @@ class RMSNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
+        inp = inp.contiguous()  # results independent of the input's strides (torch reduces in stride order)
         return F.rms_norm(inp, self.normalized_shape, self._gain(inp), self.eps)

@@ -213,6 +213,24 @@ def test_norms_bitwise_equal_for_a_transposed_input(kind):
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(norm_t.parameters(), norm_c.parameters()))
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norms_under_torch_autocast_output_the_autocast_dtype(kind):
+    # TransformerEngine's test_sanity.py::test_sanity_normalization_amp: inside torch.autocast the norm
+    # outputs the autocast dtype (as our Linear / LayerNormLinear / LayerNormMLP do), the float32 input and
+    # parameters get float32 gradients; the output is the norm of the input cast to that dtype
+    seed = _seed(f"{kind}/torch.autocast")
+    torch.manual_seed(seed)
+    norm = getattr(te, kind)(64, device="cpu")
+    x = torch.randn(5, 3, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in norm.parameters())
+    ref = norm(x.detach().to(torch.bfloat16))  # outside autocast: in the input's dtype
+    assert torch.equal(y, ref)
+
+
 def test_norm_arguments_as_te_takes_them():
     ln = te.LayerNorm((4, 8), device="cpu", dtype=torch.bfloat16)  # trailing dims, like torch.nn.LayerNorm
     x = torch.randn(3, 4, 8, dtype=torch.bfloat16)

@@ -52,6 +52,16 @@ class _Norm(torch.nn.Module):
                 if p is not None:
                     p.sequence_parallel = sequence_parallel
 
+    def _input(self, inp: torch.Tensor) -> torch.Tensor:
+        """The input made contiguous (results independent of its strides: torch reduces in stride order) and,
+        inside `torch.autocast`, cast to the autocast dtype, as TransformerEngine's norms and our linear
+        modules do (torch's own autocast would run layer_norm / rms_norm in float32)."""
+        inp = inp.contiguous()
+        dev = inp.device.type
+        if inp.is_floating_point() and torch.is_autocast_enabled(dev):
+            inp = inp.to(torch.get_autocast_dtype(dev))
+        return inp
+
     def _gain(self, x: torch.Tensor) -> torch.Tensor:
         return (self.weight + 1 if self.zero_centered_gamma else self.weight).to(x.dtype)
 
@@ -61,7 +71,7 @@ class _Norm(torch.nn.Module):
 
 class LayerNorm(_Norm):
     """TransformerEngine's `LayerNorm`: `(x - mean) / sqrt(var + eps) * gamma + beta` over the trailing
-    `normalized_shape` dims, in the input's dtype.
+    `normalized_shape` dims, in the input's dtype (inside `torch.autocast`: the autocast dtype, as TE).
 
     Args:
         normalized_shape: the normalized trailing dims (TransformerEngine's older `hidden_size` also works).
@@ -80,8 +90,9 @@ class LayerNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
-        inp = inp.contiguous()  # results independent of the input's strides (torch reduces in stride order)
-        return F.layer_norm(inp, self.normalized_shape, self._gain(inp), self.bias.to(inp.dtype), self.eps)
+        inp = self._input(inp)
+        with torch.autocast(inp.device.type, enabled=False):
+            return F.layer_norm(inp, self.normalized_shape, self._gain(inp), self.bias.to(inp.dtype), self.eps)
 
 
 class RMSNorm(_Norm):
@@ -93,5 +104,6 @@ class RMSNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
-        inp = inp.contiguous()  # results independent of the input's strides (torch reduces in stride order)
-        return F.rms_norm(inp, self.normalized_shape, self._gain(inp), self.eps)
+        inp = self._input(inp)
+        with torch.autocast(inp.device.type, enabled=False):
+            return F.rms_norm(inp, self.normalized_shape, self._gain(inp), self.eps)

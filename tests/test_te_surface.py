@@ -231,6 +231,35 @@ def test_norms_under_torch_autocast_output_the_autocast_dtype(kind):
     assert torch.equal(y, ref)
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norms_low_precision_within_one_rounding_of_float64(kind, dtype):
+    # TransformerEngine's test_numerics.py::test_layernorm_accuracy / test_rmsnorm_accuracy in bfloat16: the
+    # gain's gradient, a sum over all tokens, was reduced in bfloat16 by torch's CPU kernel (1.5 % off);
+    # computed in float32 and rounded once, every output and gradient is within the dtype's rounding
+    seed = _seed(f"{kind}/{dtype}")
+    torch.manual_seed(seed)
+    norm = getattr(te, kind)(128, params_dtype=dtype, device="cpu")
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = (torch.randn(64, 2, 128) * 2 + 0.5).to(dtype).requires_grad_()
+    y = norm(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xd = x.detach().double().requires_grad_()
+    pd = [p.detach().double().requires_grad_() for p in norm.parameters()]
+    if kind == "LayerNorm":
+        ref = F.layer_norm(xd, (128,), pd[0], pd[1], 1e-5)
+    else:
+        ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * pd[0]
+    ref.backward(g.double())
+    eps = torch.finfo(dtype).eps
+    for got, want in [(y, ref), (x.grad, xd.grad)] + [(p.grad, q.grad) for p, q in zip(norm.parameters(), pd)]:
+        assert got.dtype == dtype
+        assert (got.double() - want).abs().max() <= eps * want.abs().max() + 1e-6, (kind, dtype)
+
+
 def test_norm_arguments_as_te_takes_them():
     ln = te.LayerNorm((4, 8), device="cpu", dtype=torch.bfloat16)  # trailing dims, like torch.nn.LayerNorm
     x = torch.randn(3, 4, 8, dtype=torch.bfloat16)

@@ -71,7 +71,8 @@ class _Norm(torch.nn.Module):
 
 class LayerNorm(_Norm):
     """TransformerEngine's `LayerNorm`: `(x - mean) / sqrt(var + eps) * gamma + beta` over the trailing
-    `normalized_shape` dims, in the input's dtype (inside `torch.autocast`: the autocast dtype, as TE).
+    `normalized_shape` dims, computed in float32 and returned in the input's dtype (inside `torch.autocast`:
+    the autocast dtype), as TE.
 
     Args:
         normalized_shape: the normalized trailing dims (TransformerEngine's older `hidden_size` also works).
@@ -92,7 +93,8 @@ class LayerNorm(_Norm):
         """The normalized input."""
         inp = self._input(inp)
         with torch.autocast(inp.device.type, enabled=False):
-            return F.layer_norm(inp, self.normalized_shape, self._gain(inp), self.bias.to(inp.dtype), self.eps)
+            x = inp.float()  # float32 statistics and gain/bias gradients, cast back: as TE's kernels
+            return F.layer_norm(x, self.normalized_shape, self._gain(x), self.bias.float(), self.eps).to(inp.dtype)
 
 
 class RMSNorm(_Norm):
@@ -106,4 +108,5 @@ class RMSNorm(_Norm):
         """The normalized input."""
         inp = self._input(inp)
         with torch.autocast(inp.device.type, enabled=False):
-            return F.rms_norm(inp, self.normalized_shape, self._gain(inp), self.eps)
+            x = inp.float()  # float32 statistics and gain gradient, cast back: as TE's kernels
+            return F.rms_norm(x, self.normalized_shape, self._gain(x), self.eps).to(inp.dtype)

@@ -50,6 +50,15 @@ def normalize(
     """LayerNorm (`weight`, `bias`) or RMSNorm (`weight`) over the last dim, in `x`'s dtype.
 
     `zero_centered_gamma`: the gain is `1 + weight` (TransformerEngine's option; the weight starts at 0)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type != "cuda":
+        # torch's CPU kernels reduce the gain / bias gradients (sums over all tokens) in the input's dtype: in
+        # bfloat16 the LayerNorm bias gradient came out 7 % off. Compute in float32 and round once, as TE's
+        # kernels and torch's CUDA kernels (float32 accumulation) do; CUDA keeps the native low-precision path
+        xf = x.float()
+        gain = weight.float() + 1 if zero_centered_gamma else weight.float()
+        if normalization == "RMSNorm":
+            return F.rms_norm(xf, (x.shape[-1],), gain, eps).to(x.dtype)
+        return F.layer_norm(xf, (x.shape[-1],), gain, None if bias is None else bias.float(), eps).to(x.dtype)
     gain = (weight + 1 if zero_centered_gamma else weight).to(x.dtype)
     if normalization == "RMSNorm":
         return F.rms_norm(x, (x.shape[-1],), gain, eps)

@@ -21,37 +21,33 @@ def test_padded_vocab_is_the_same_for_every_tp_dividing_8():
     assert padded_vocab_size(257, 3) % (64 * 3) == 0
 
 
-def test_job_saved_tp2_resumes_under_pp2(tmp_path):
+VPP2 = PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
+
+
+def _save_then_resume_elsewhere(tmp_path, saved_layout, resumed_layout) -> None:
+    """Train 8 iterations whole, and 4 + 4 with a save under `saved_layout` and a resume under `resumed_layout`:
+    the resumed run continues where the whole one goes. Another layout computes the same model with other
+    reduction orders and amax domains: FP8 tolerance."""
     common = TINY + FP8 + ["--num-layers", "4", "--train-iters", "8"]
     ckpt = tmp_path / "ckpt"
-    _torchrun(tmp_path, 2, common + TP2 + ["--log-json", str(tmp_path / "whole.jsonl")])
-    _torchrun(tmp_path, 2, common + TP2 + ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4",
-                                           "--log-json", str(tmp_path / "first.jsonl")])
-    _torchrun(tmp_path, 2, common + PP2 + ["--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl")])
+    _torchrun(tmp_path, 2, common + saved_layout + ["--log-json", str(tmp_path / "whole.jsonl")])
+    _torchrun(tmp_path, 2, common + saved_layout + ["--save", str(ckpt), "--save-interval", "4",
+                                                    "--exit-interval", "4", "--log-json", str(tmp_path / "first.jsonl")])
+    _torchrun(tmp_path, 2, common + resumed_layout + ["--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl")])
     whole, resumed = _rows(tmp_path / "whole.jsonl"), _rows(tmp_path / "resumed.jsonl")
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed
-    # another layout computes the same model with other reduction orders and amax domains: FP8 tolerance
     for a, b in zip(whole[4:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["iteration"], a["loss"], b["loss"])
 
 
-VPP2 = PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
+def test_job_saved_tp2_resumes_under_pp2(tmp_path):
+    _save_then_resume_elsewhere(tmp_path, TP2, PP2)
 
 
 def test_job_saved_pp2_vpp2_resumes_without_virtual_stages(tmp_path):
     """Saved PP2 with two virtual stages per rank, resumed PP2 with one chunk per rank: dist_checkpointing keys
-    name global layer numbers, so the layers find their new chunk; the run continues where the
-    uninterrupted (VPP2) one goes."""
-    common = TINY + FP8 + ["--num-layers", "4", "--train-iters", "8"]
-    ckpt = tmp_path / "ckpt"
-    _torchrun(tmp_path, 2, common + VPP2 + ["--log-json", str(tmp_path / "whole.jsonl")])
-    _torchrun(tmp_path, 2, common + VPP2 + ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4",
-                                            "--log-json", str(tmp_path / "first.jsonl")])
-    _torchrun(tmp_path, 2, common + PP2 + ["--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl")])
-    whole, resumed = _rows(tmp_path / "whole.jsonl"), _rows(tmp_path / "resumed.jsonl")
-    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed
-    for a, b in zip(whole[4:], resumed):
-        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a["iteration"], a["loss"], b["loss"])
+    name global layer numbers, so the layers find their new chunk."""
+    _save_then_resume_elsewhere(tmp_path, VPP2, PP2)
 
 
 def test_job_refuses_another_amax_history_length_naming_it(tmp_path):

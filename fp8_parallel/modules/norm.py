@@ -46,10 +46,13 @@ def normalize(
     bias: Optional[torch.Tensor],
     eps: float,
     zero_centered_gamma: bool = False,
+    shape: Optional[Tuple[int, ...]] = None,
 ) -> torch.Tensor:
-    """LayerNorm (`weight`, `bias`) or RMSNorm (`weight`) over the last dim, in `x`'s dtype.
+    """LayerNorm (`weight`, `bias`) or RMSNorm (`weight`) over the trailing `shape` (default: the last dim), in
+    `x`'s dtype.
 
     `zero_centered_gamma`: the gain is `1 + weight` (TransformerEngine's option; the weight starts at 0)."""
+    shape = tuple(shape) if shape is not None else (x.shape[-1],)
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type != "cuda":
         # torch's CPU kernels reduce the gain / bias gradients (sums over all tokens) in the input's dtype: in
         # bfloat16 the LayerNorm bias gradient came out 7 % off. Compute in float32 and round once, as TE's
@@ -57,12 +60,12 @@ def normalize(
         xf = x.float()
         gain = weight.float() + 1 if zero_centered_gamma else weight.float()
         if normalization == "RMSNorm":
-            return F.rms_norm(xf, (x.shape[-1],), gain, eps).to(x.dtype)
-        return F.layer_norm(xf, (x.shape[-1],), gain, None if bias is None else bias.float(), eps).to(x.dtype)
+            return F.rms_norm(xf, shape, gain, eps).to(x.dtype)
+        return F.layer_norm(xf, shape, gain, None if bias is None else bias.float(), eps).to(x.dtype)
     gain = (weight + 1 if zero_centered_gamma else weight).to(x.dtype)
     if normalization == "RMSNorm":
-        return F.rms_norm(x, (x.shape[-1],), gain, eps)
-    return F.layer_norm(x, (x.shape[-1],), gain, None if bias is None else bias.to(x.dtype), eps)
+        return F.rms_norm(x, shape, gain, eps)
+    return F.layer_norm(x, shape, gain, None if bias is None else bias.to(x.dtype), eps)
 
 
 def make_norm_parameters(

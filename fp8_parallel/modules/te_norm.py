@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Iterable, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 
 from ._te_options import resolve_device, resolve_dtype
+from .norm import normalize
 
 Shape = Union[int, Iterable[int]]
 
@@ -62,8 +62,13 @@ class _Norm(torch.nn.Module):
             inp = inp.to(torch.get_autocast_dtype(dev))
         return inp
 
-    def _gain(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight + 1 if self.zero_centered_gamma else self.weight).to(x.dtype)
+    def _normalize(self, inp: torch.Tensor, normalization: str) -> torch.Tensor:
+        """`normalize` (float32 statistics and gain/bias gradients, rounded once, as TE's kernels) of the
+        prepared input, outside torch's autocast (which would run the norm in float32 and return that)."""
+        inp = self._input(inp)
+        with torch.autocast(inp.device.type, enabled=False):
+            return normalize(inp, normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma,
+                             shape=self.normalized_shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
@@ -91,10 +96,7 @@ class LayerNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
-        inp = self._input(inp)
-        with torch.autocast(inp.device.type, enabled=False):
-            x = inp.float()  # float32 statistics and gain/bias gradients, cast back: as TE's kernels
-            return F.layer_norm(x, self.normalized_shape, self._gain(x), self.bias.float(), self.eps).to(inp.dtype)
+        return self._normalize(inp, "LayerNorm")
 
 
 class RMSNorm(_Norm):
@@ -106,7 +108,4 @@ class RMSNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """The normalized input."""
-        inp = self._input(inp)
-        with torch.autocast(inp.device.type, enabled=False):
-            x = inp.float()  # float32 statistics and gain gradient, cast back: as TE's kernels
-            return F.rms_norm(x, self.normalized_shape, self._gain(x), self.eps).to(inp.dtype)
+        return self._normalize(inp, "RMSNorm")

@@ -65,16 +65,22 @@ def _env() -> dict:
     return env
 
 
+BLOCK_DONE = "DOCS-BLOCK-RAN-TO-ITS-END"
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
 def test_block_runs_or_says_why_not(block: Block, tmp_path: Path):
     if block.marker == "not-run":
         assert len(block.arg) >= 10, f"{block.id}: a not-run marker must give its reason"
         return
     script = tmp_path / "block.py"
-    script.write_text(block.code)
+    script.write_text(block.code + f"\nprint({BLOCK_DONE!r}, flush=True)\n")
+    ranks = 1
     if block.marker == "run":
         m = re.fullmatch(r"torchrun (\d+)", block.arg)
         assert m, f"{block.id}: unknown run marker {block.arg!r}"
+        ranks = int(m.group(1))
         from launcher import _free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={m.group(1)}",
@@ -83,7 +89,15 @@ def test_block_runs_or_says_why_not(block: Block, tmp_path: Path):
         assert block.lang == "python", f"{block.id}: a {block.lang or 'plain'} block needs a run/not-run marker"
         cmd = [sys.executable, str(script)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    finished = proc.stdout.count(BLOCK_DONE) == ranks
+    if proc.returncode != 0 and finished and TORCH_EXIT_ABORT in proc.stderr:
+        # torch 2.13 (CPU): a process that holds a gloo group and has imported torch._dynamo (the optimizers
+        # import it) aborts at interpreter exit about one time in three, after all its work; plain torch
+        # scripts do the same. Every rank ran the whole block, its assertions included.
+        print(f"{block.id}: every rank finished; a rank then aborted at exit (torch's teardown)")
+        return
     assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert finished, f"{block.id}: did not run to its end:\n{proc.stdout[-4000:]}"
 
 
 def test_api_reference_is_complete_and_current():

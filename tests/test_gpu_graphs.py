@@ -218,6 +218,7 @@ def test_accumulator_on_the_default_stream_is_named_before_it_breaks_capture(sid
     if not side_stream:
         with pytest.raises(RuntimeError, match="side stream"):
             fp.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=fp.DelayedScaling())
+        _assert_device_rng_usable()
         return
     graphed = fp.make_graphed_callables(lin, (x,), fp8_enabled=True, fp8_recipe=fp.DelayedScaling())
     with fp.autocast(recipe=fp.DelayedScaling()):
@@ -225,3 +226,30 @@ def test_accumulator_on_the_default_stream_is_named_before_it_breaks_capture(sid
     y.float().sum().backward()
     assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad).all()
     del accumulators
+
+
+def _assert_device_rng_usable():
+    """After a failed capture the device's random ops still work (no RNG state left in capture mode)."""
+    torch.cuda.manual_seed(3)
+    a = torch.randn(64, device="cuda")
+    torch.cuda.manual_seed(3)
+    assert torch.equal(a, torch.randn(64, device="cuda"))
+    assert torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).count_nonzero() < 64
+
+
+def test_failed_forward_capture_leaves_the_device_rng_usable():
+    """A callable that cannot be captured (it synchronises with the host) raises from make_graphed_callables;
+    afterwards weight init and dropout on the device work as before."""
+    lin = fp.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+
+    def syncs(x):
+        y = lin(x)
+        if y.float().abs().sum().item() < 0:  # a host read inside the capture
+            y = -y
+        return y
+
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError):
+        fp.make_graphed_callables(syncs, (x,), fp8_enabled=True, fp8_recipe=fp.DelayedScaling())
+    _assert_device_rng_usable()
+    fp.Linear(64, 64, params_dtype=torch.float32, device="cuda")  # normal_ init on the device

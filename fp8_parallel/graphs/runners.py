@@ -2,8 +2,10 @@
 recording; their shared static buffers; the autograd function that replays them."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+import warnings
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -32,6 +34,36 @@ LEGACY_STREAM_HINT = (
     "DistributedDataParallel). Construct the wrapper on a side stream: `with torch.cuda.stream(torch.cuda.Stream()): "
     "model = DistributedDataParallel(...)`."
 )
+
+def _end_generator_captures(generators: Tuple[torch.Generator, ...]) -> None:
+    """Take the RNG states a failed capture registered out of capture mode.
+
+    torch ends a generator's capture mode only when a capture ends cleanly; after a failed one every later
+    random op on the device (weight init, dropout) raises "Offset increment outside graph capture". An empty
+    capture over the same generators ends the mode; their eager seed and offset are left as they were."""
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators:
+        graph.register_generator_state(gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+        with torch.cuda.graph(graph):
+            pass
+    graph.reset()
+
+
+@contextlib.contextmanager
+def _capturing(graph: "torch.cuda.CUDAGraph", pool, generators: Tuple[torch.Generator, ...]) -> Iterator[None]:
+    """`torch.cuda.graph` over `graph` with `generators` registered; a failed capture leaves no RNG state in
+    capture mode."""
+    for gen in generators:
+        graph.register_generator_state(gen)
+    try:
+        with torch.enable_grad(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        _end_generator_captures(generators)
+        raise
+
 
 class _Runner:
     """Forward and backward of one callable for one microbatch (the common part of graph and eager)."""
@@ -99,9 +131,7 @@ class _GraphRunner(_Runner):
         self.static_inputs, self.static_outputs = static.inputs, static.outputs
         self.recorder = Recorder(self.device(), self.flag)
         self.fwd_graph = torch.cuda.CUDAGraph()
-        for gen in self.options.generators:
-            self.fwd_graph.register_generator_state(gen)
-        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
+        with _capturing(self.fwd_graph, pool, self.options.generators):
             outputs = self._record(self.static_inputs, self.recorder)
             flat, spec, leaves, positions = _flatten_outputs(outputs)
             with torch.no_grad():
@@ -114,11 +144,9 @@ class _GraphRunner(_Runner):
         outs = self._outputs_with_graph
         self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
         self.bwd_graph = torch.cuda.CUDAGraph()
-        for gen in self.options.generators:
-            self.bwd_graph.register_generator_state(gen)
         cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
         try:
-            with torch.enable_grad(), torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
+            with _capturing(self.bwd_graph, pool, self.options.generators):
                 try:
                     grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
                 except RuntimeError as err:

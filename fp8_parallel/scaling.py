@@ -18,7 +18,10 @@ def scale_from_amax(
     amax <= 0, inf or NaN keeps `prev_scale`; a scale that overflows to inf becomes float32 max.
     """
     amax = amax.float()
-    scale = (fp8_max / amax) / (2.0**margin)
+    # a true division (a Python number over a tensor is its reciprocal times the number: two roundings), so the
+    # result equals TransformerEngine's and the fused update's IEEE float32 division bit for bit
+    limit = fp8_max if isinstance(fp8_max, torch.Tensor) else torch.full_like(amax, fp8_max)
+    scale = torch.div(limit, amax) / (2.0**margin)
     usable = (amax > 0) & torch.isfinite(amax)
     scale = torch.where(usable, scale, prev_scale)
     return torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)

@@ -87,7 +87,8 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
             ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite
             tl.atomic_max(amax_ptr, tl.max(tl.max(ax, axis=1), axis=0))
         if (pid_m == 0) & (pid_n == 0):
-            tl.store(scale_inv_ptr, 1.0 / scale)
+            # IEEE division (Triton's `/` rounds approximately): scale_inv equals torch's `1 / scale` bit for bit
+            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
 
 
 def quantize_2d(
@@ -167,7 +168,7 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         else:
             amax = tl.max(tl.where(offs < L, new_hist, 0.0), axis=0)
         old_scale = tl.load(scale_ptr)
-        sf = (fp8_max / amax) / margin_div
+        sf = tl.math.div_rn(tl.math.div_rn(fp8_max, amax), margin_div)  # IEEE division, as torch
         sf = tl.where((amax > 0) & (amax == amax) & (amax != float("inf")), sf, old_scale)
         sf = tl.where(sf == float("inf"), float32_max, sf)
         tl.store(hist_ptr + offs, new_hist, mask=(offs < L) & rolls)

@@ -100,7 +100,7 @@ def _train(args: RunArgs) -> int:
                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
     pos = _load(args, model, optimizer, scheduler, say)
 
-    wrap = None
+    wrap = graphed = None
     if args.cuda_graph:
         from fp8_parallel.pipeline import graph_megatron_layers
 
@@ -153,5 +153,8 @@ def _train(args: RunArgs) -> int:
             _save(args, pos, model, optimizer, scheduler, run_log.write, {"loss": last_loss})
     finally:
         run_log.close()
+        if graphed is not None:  # graphs holding NCCL collectives (TP) keep destroy_process_group waiting forever
+            torch.cuda.synchronize()
+            graphed.reset()
     say(f"done: {pos.iteration} iterations, last loss {last_loss}")
     return 0

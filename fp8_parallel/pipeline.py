@@ -117,7 +117,10 @@ class GraphedPipeline:
         self._next = [0] * len(self.chunks)
 
     def reset(self) -> None:
-        """Release every layer's graphs (the layers run eagerly afterwards), as `GraphedCallable.reset`."""
+        """Release every layer's graphs (the layers run eagerly afterwards), as `GraphedCallable.reset`.
+
+        Call it (after `torch.cuda.synchronize()`) before `torch.distributed.destroy_process_group()`: graphs
+        holding tensor-parallel NCCL collectives keep the process group's teardown waiting forever."""
         for calls in self.graphed:
             for call in calls:
                 call.reset()

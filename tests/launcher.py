@@ -25,6 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_was_taken(output: str) -> bool:
+    text = output.lower()
+    return "address already in use" in text or "eaddrinuse" in text
+
+
 def launch(
     script: str,
     nproc: int,
@@ -40,11 +45,6 @@ def launch(
 
     Raises AssertionError (with the output) on a non-zero exit, a timeout, or a missing check report.
     """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", "--nnodes=1", f"--master_port={_free_port()}",
-        str(WORKERS / script), *args,
-    ]
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH")) if p)
@@ -54,17 +54,22 @@ def launch(
         full_env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     full_env.setdefault("FP8P_TEST_SEED", str(int.from_bytes(os.urandom(4), "little")))
     full_env.update(env or {})
-    report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")
-    full_env["FP8P_REPORT_DIR"] = report_dir
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{script} with {nproc} ranks timed out after {timeout}s:\n{out[-20000:]}")
+    for attempt in range(3):  # a port taken between choosing it and torchrun binding it: choose another
+        report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")
+        full_env["FP8P_REPORT_DIR"] = report_dir
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               f"--master_port={_free_port()}", str(WORKERS / script), *args]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise AssertionError(f"{script} with {nproc} ranks timed out after {timeout}s:\n{out[-20000:]}")
+        if proc.returncode == 0 or not _port_was_taken(out):
+            break
     if proc.returncode != 0:
         raise AssertionError(f"{script} with {nproc} ranks exited {proc.returncode}:\n{out[-20000:]}")
     if expect_checks is not None:

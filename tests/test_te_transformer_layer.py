@@ -244,6 +244,24 @@ def test_dropout_deterministic_under_seed_and_off_in_eval():
     torch.testing.assert_close(layer(x), plain(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_amp_runs_the_layer_in_the_autocast_dtype(fp8):
+    """Inside `torch.autocast` the layer casts `hidden_states` to the autocast dtype first, as TE's does (TE's
+    test_sanity AMP checks): the output has that dtype; the input and parameter gradients stay float32."""
+    seed = _seed(f"layer/amp/{fp8}")
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, device="cpu")
+    randomize(layer, torch.Generator().manual_seed(seed))
+    x = torch.randn(8, 4, HIDDEN, generator=torch.Generator().manual_seed(seed + 1), requires_grad=True)
+    reference = layer(x).detach()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), te.autocast(enabled=fp8, recipe=te.DelayedScaling()):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert x.grad.dtype == torch.float32
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.parameters())
+    assert _rel(out.float(), reference) < (0.1 if fp8 else 0.03)
+
+
 @pytest.mark.parametrize("rname", ["hp", "delayed"])
 def test_checkpoint_around_the_layer_is_bitwise(rname):
     """`fp8_parallel.checkpoint` around a TransformerLayer (dropout on, with the RNG tracker): output and every

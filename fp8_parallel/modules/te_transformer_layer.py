@@ -254,6 +254,9 @@ class TransformerLayer(torch.nn.Module):
             enc_dec_attn_mask_type = self.enc_dec_attn_mask_type
         if enc_dec_window_size is None:
             enc_dec_window_size = self.enc_dec_window_size
+        device_type = hidden_states.device.type
+        if torch.is_autocast_enabled(device_type):  # AMP: the layer runs in the autocast dtype, as TE's
+            hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
         hidden_states = hidden_states.contiguous()
         shared = dict(inference_params=inference_params, is_first_microbatch=is_first_microbatch,
                       checkpoint_core_attention=checkpoint_core_attention, rotary_pos_emb=rotary_pos_emb,

@@ -334,8 +334,6 @@ def test_construction_follows_te():
 
 
 @pytest.mark.parametrize("make, error, match", [
-    (lambda: te.GroupedLinear(2, 8, 8, fuse_wgrad_accumulation=True), NotImplementedError,
-     r"fuse_wgrad_accumulation=True.*main_grad"),
     (lambda: te.GroupedLinear(2, 8, 8, ub_overlap_rs=True), NotImplementedError, r"ub_overlap_rs=True.*userbuffers"),
     (lambda: te.GroupedLinear(2, 8, 8, ub_overlap_ag=True), NotImplementedError, r"ub_overlap_ag=True.*userbuffers"),
     (lambda: te.GroupedLinear(2, 8, 8, delay_wgrad_compute=True), NotImplementedError,

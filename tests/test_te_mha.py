@@ -409,7 +409,7 @@ def test_refused_options_name_themselves():
     def build(**kw):
         return te.MultiheadAttention(HIDDEN, HEADS, device="cpu", **kw)
 
-    for opt in ("ub_overlap_ag", "ub_overlap_rs", "ub_bulk_wgrad", "fuse_wgrad_accumulation"):
+    for opt in ("ub_overlap_ag", "ub_overlap_rs", "ub_bulk_wgrad"):
         with pytest.raises(NotImplementedError, match=opt):
             build(**{opt: True})
     build(seq_length=128, micro_batch_size=2)  # JIT hints: accepted

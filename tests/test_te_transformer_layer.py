@@ -208,8 +208,7 @@ def test_refused_and_invalid_options_name_themselves():
     with pytest.raises(NotImplementedError, match="ub_tp_comm_overlap"):
         build(ub_tp_comm_overlap=True)
     build(ub_overlap_ag=True, ub_bulk_wgrad=True, seq_length=16, micro_batch_size=2)  # gated off / hints
-    with pytest.raises(NotImplementedError, match="fuse_wgrad_accumulation"):
-        build(fuse_wgrad_accumulation=True)
+    build(fuse_wgrad_accumulation=True)  # implemented (tests/test_te_main_grad.py)
     with pytest.raises(ValueError, match="parallel_attention_mlp"):
         build(parallel_attention_mlp=True, layer_type="decoder")
     with pytest.raises(ValueError, match="layer_type"):

@@ -3,7 +3,7 @@ initialization, and the TransformerEngine constructor options they accept only a
 
 Tensor parallelism (`tp_group`, `tp_size`, `parallel_mode`, `sequence_parallel`) is implemented
 (`_tensor_parallel.py`). A TransformerEngine option that selects behaviour these modules do not have
-(userbuffers overlap, fused main_grad accumulation, delayed weight gradients, ...) is accepted at its default
+(userbuffers overlap, delayed weight gradients, ...) is accepted at its default
 value and refused, with the reason and what to use instead, at any other. Options that change no result
 (JIT warm-up sizes, the userbuffers name, which copy of the input backward keeps) are accepted.
 """
@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 import torch
 
 # option -> (default, why another value is refused); None as the reason: any value is accepted (no effect on
-# any result)
+# any result, or implemented by the modules that read it)
 _OPTIONS: Dict[str, tuple] = {
     "ub_name": (None, None),
     "seq_length": (None, None),  # JIT warm-up hints
@@ -22,8 +22,7 @@ _OPTIONS: Dict[str, tuple] = {
     # the weight-gradient operand is the input cast with the forward's scale either way (kept in FP8, or
     # re-cast in backward from the kept input), so the results are the same; only what is held differs
     "save_original_input": (False, None),
-    "fuse_wgrad_accumulation": (False, "gradients are written to .grad (megatron's DDP moves them into main_grad "
-                                       "itself); fused accumulation into a main_grad buffer is not implemented"),
+    "fuse_wgrad_accumulation": (False, None),  # implemented by the modules (`_main_grad.weight_for_gemm`)
     "parameters_split": (None, "each weight is one parameter; split the output after the module instead"),
     "delay_wgrad_compute": (False, "the weight gradient is computed in the module's own backward"),
     "symmetric_ar_type": (None, "tensor-parallel all-reduces are torch.distributed's all_reduce (no symmetric "

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._core import FP8State, fp8_linear
+from ._main_grad import weight_for_gemm
 from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
@@ -111,7 +112,7 @@ class LayerNormMLP(torch.nn.Module):
         return_bias: do not add fc2's bias; return it.
         init_method, output_layer_init_method: initialize fc1's / fc2's weight shard (default normal(0, 0.023)).
         params_dtype, device, get_rng_state_tracker, name: as for `Linear`.
-        **te_options: TransformerEngine's other options, accepted at their defaults (see `Linear`).
+        **te_options: TransformerEngine's other options, as for `Linear` (`fuse_wgrad_accumulation` included).
 
     Parameters: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), `fc1_weight`, `fc1_bias`,
     `fc2_weight`, `fc2_bias`.
@@ -166,6 +167,7 @@ class LayerNormMLP(torch.nn.Module):
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
         self.return_bias = return_bias
+        self.fuse_wgrad_accumulation = bool(te_options.get("fuse_wgrad_accumulation", False))
         local_ffn = self.tp.split(ffn_hidden_size, "ffn_hidden_size")
         fc1_out = 2 * local_ffn if _gated(activation) else local_ffn
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
@@ -194,9 +196,11 @@ class LayerNormMLP(torch.nn.Module):
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
         total = self.tp.column_input(ln_out)
-        h = fp8_linear(total, self.fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch)
+        fc1_weight, fc2_weight = (weight_for_gemm(w, self.fuse_wgrad_accumulation, "LayerNormMLP", name)
+                                  for w, name in ((self.fc1_weight, "fc1_weight"), (self.fc2_weight, "fc2_weight")))
+        h = fp8_linear(total, fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch)
         h = activate(self.activation, h, self.activation_params)
-        out = fp8_linear(h, self.fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch)
+        out = fp8_linear(h, fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch)
         return out, ln_out, total
 
     def forward(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import fp8_linear
+from ._main_grad import weight_for_gemm
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
 )
@@ -45,8 +46,11 @@ class Linear(torch.nn.Module):
             None without a bias).
         get_rng_state_tracker, rng_tracker_name: initialize the weight inside `tracker.fork(name)`.
         name: a label for the FP8 state (debugging).
-        **te_options: TransformerEngine's other `Linear` options (userbuffers, fused wgrad accumulation,
-            ...), accepted at their defaults; other values raise NotImplementedError naming what to use.
+        **te_options: TransformerEngine's other `Linear` options. `fuse_wgrad_accumulation=True`: the weight
+            gradient is added into `weight.main_grad` (which must exist, e.g. from megatron's DDP); `.grad`
+            stays None, or (the parameter having `grad_added_to_main_grad`, megatron's protocol) the flag is
+            set and autograd gets an unused buffer, as in TransformerEngine. The others (userbuffers, ...)
+            are accepted at their defaults; other values raise NotImplementedError naming what to use.
 
     Parameters carry megatron's tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`) when
     split, and a row-parallel bias carries `sequence_parallel` (its gradient is partial per rank then).
@@ -86,6 +90,7 @@ class Linear(torch.nn.Module):
         local_in = self.tp.split(in_features, "in_features") if parallel_mode == "row" else in_features
         local_out = self.tp.split(out_features, "out_features") if parallel_mode == "column" else out_features
         self.return_bias = return_bias
+        self.fuse_wgrad_accumulation = bool(te_options.get("fuse_wgrad_accumulation", False))
         add_linear_parameters(self, local_in, local_out, bias, dtype, device, init_method,
                               get_rng_state_tracker, name or f"Linear({in_features},{out_features})",
                               rng_tracker_name)
@@ -95,6 +100,10 @@ class Linear(torch.nn.Module):
                 mark_partitioned(self.bias, 0)
             else:
                 mark_sequence_parallel([self.bias], self.tp.sequence_parallel)
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMM uses it (with `fuse_wgrad_accumulation`, its gradient goes to `main_grad`)."""
+        return weight_for_gemm(self.weight, self.fuse_wgrad_accumulation, type(self).__name__, "weight")
 
     def set_tensor_parallel_group(self, tp_group: Optional[dist.ProcessGroup]) -> None:
         """Set the tensor-parallel group (TransformerEngine's method), for a module built with `tp_size`."""
@@ -115,7 +124,7 @@ class Linear(torch.nn.Module):
         bias = self.bias if not self.return_bias and not row else None
         if self.tp.mode == "column":
             inp = self.tp.column_input(inp)
-        out = fp8_linear(inp, self.weight, bias, self.fp8, is_first_microbatch)
+        out = fp8_linear(inp, self.gemm_weight(), bias, self.fp8, is_first_microbatch)
         if row:
             out = self.tp.row_output(out)
             if self.bias is not None and not self.return_bias:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
+from ._main_grad import weight_for_gemm
 from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
 from ._tensor_parallel import TensorParallel, mark_partitioned
 
@@ -47,9 +48,10 @@ class GroupedLinear(torch.nn.Module):
             dtype; None entries without biases).
         name: a label for the FP8 states (debugging).
         **te_options: TransformerEngine's other `GroupedLinear` options. `ub_name` and `save_original_input`
-            are accepted at any value (no effect on a result); `fuse_wgrad_accumulation`, `ub_overlap_rs`,
-            `ub_overlap_ag`, `delay_wgrad_compute`, `single_grouped_weight`, `single_grouped_bias` only at
-            their defaults (False): other values raise NotImplementedError naming the option.
+            are accepted at any value (no effect on a result); `fuse_wgrad_accumulation=True` adds each weight's
+            gradient into its `main_grad` (as TransformerEngine); `ub_overlap_rs`, `ub_overlap_ag`,
+            `delay_wgrad_compute`, `single_grouped_weight`, `single_grouped_bias` only at their defaults
+            (False): other values raise NotImplementedError naming the option.
 
     Parameters: `weight0 .. weight{num_gemms-1}` (`[out_features, in_features]`, this rank's shard, carrying
     megatron's `tensor_model_parallel` / `partition_dim` when split) and `bias0 ..` (None without biases), in
@@ -86,6 +88,7 @@ class GroupedLinear(torch.nn.Module):
                     f"GroupedLinear({option}=True): parameters are one per GEMM (weight0.., bias0..); a single "
                     f"grouped parameter is not implemented. Leave {option}=False.")
         check_te_options("GroupedLinear", _GROUPED_OPTIONS, te_options)
+        self.fuse_wgrad_accumulation = bool(te_options.get("fuse_wgrad_accumulation", False))
         for label, size in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"GroupedLinear({label}={size!r}): expected a positive integer")
@@ -158,7 +161,9 @@ class GroupedLinear(torch.nn.Module):
         rows = "" if inp.dim() == 2 else f" (the input of shape {tuple(inp.shape)} flattened to [-1, {inp.shape[-1]}])"
         splits = check_splits("GroupedLinear", m_splits, self.num_gemms, x.shape[0], rows)
         biases = [None] * self.num_gemms if self.return_bias else self._biases()
-        y = grouped_fp8_linear(x, splits, self._weights(), biases, self.fp8, is_first_microbatch)
+        weights = [weight_for_gemm(w, self.fuse_wgrad_accumulation, "GroupedLinear", f"weight{i}")
+                   for i, w in enumerate(self._weights())]
+        y = grouped_fp8_linear(x, splits, weights, biases, self.fp8, is_first_microbatch)
         y = y.reshape(*inp.shape[:-1], y.shape[-1])
         if self.return_bias:
             return y, [None if b is None else b.to(y.dtype) for b in self._biases()]

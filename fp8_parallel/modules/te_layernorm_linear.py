@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import fp8_linear
+from ._main_grad import weight_for_gemm
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
 )
@@ -42,7 +43,7 @@ class LayerNormLinear(torch.nn.Module):
             parallelism.
         return_bias: do not add the linear's bias; return it.
         init_method, params_dtype, device, get_rng_state_tracker, name: as for `Linear`.
-        **te_options: TransformerEngine's other options, accepted at their defaults (see `Linear`).
+        **te_options: TransformerEngine's other options, as for `Linear` (`fuse_wgrad_accumulation` included).
 
     Parameters: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only; both carry `sequence_parallel`),
     `weight`, `bias`.
@@ -94,6 +95,7 @@ class LayerNormLinear(torch.nn.Module):
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
         self.return_bias = return_bias
+        self.fuse_wgrad_accumulation = bool(te_options.get("fuse_wgrad_accumulation", False))
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             in_features, normalization, zero_centered_gamma, dtype, device
         )
@@ -104,6 +106,10 @@ class LayerNormLinear(torch.nn.Module):
         if self.tp.size > 1 and parallel_mode == "column":
             mark_partitioned(self.weight, 0)
             mark_partitioned(self.bias, 0)
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMM uses it (with `fuse_wgrad_accumulation`, its gradient goes to `main_grad`)."""
+        return weight_for_gemm(self.weight, self.fuse_wgrad_accumulation, type(self).__name__, "weight")
 
     def set_tensor_parallel_group(self, tp_group: Optional[dist.ProcessGroup]) -> None:
         """Set the tensor-parallel group (TransformerEngine's method), for a module built with `tp_size`."""
@@ -122,7 +128,7 @@ class LayerNormLinear(torch.nn.Module):
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
         total = self.tp.column_input(ln_out)
-        out = fp8_linear(total, self.weight, None if self.return_bias else self.bias, self.fp8, is_first_microbatch)
+        out = fp8_linear(total, self.gemm_weight(), None if self.return_bias else self.bias, self.fp8, is_first_microbatch)
         extra = []
         if self.return_bias:
             extra.append(None if self.bias is None else self.bias.to(out.dtype))

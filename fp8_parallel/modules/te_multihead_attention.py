@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ._main_grad import weight_for_gemm
 from ._te_options import check_te_options, resolve_device
 from .linear import Linear
 from .te_attention import DotProductAttention
@@ -126,6 +127,13 @@ class _SplitParameters:
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         return self._joined("weight")
 
+    def gemm_weight(self) -> torch.Tensor:
+        """The joined weight, each part's gradient into its own `main_grad` with `fuse_wgrad_accumulation`."""
+        owner = next(c.__name__ for c in type(self).__mro__ if not c.__name__.startswith("_"))
+        parts = [weight_for_gemm(self._parameters[f"{part}_weight"], self.fuse_wgrad_accumulation, owner,
+                                 f"{part}_weight") for part in self._parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
     @weight.setter
     def weight(self, value: Optional[torch.nn.Parameter]) -> None:
         self._parameters["weight"] = value
@@ -200,8 +208,10 @@ class MultiheadAttention(torch.nn.Module):
             ("L2Normalization", "RMSNorm", "LayerNorm"; after the rotary embedding unless `qk_norm_before_rope`),
             as TransformerEngine (the norms' parameters `q_norm.weight`, `k_norm.weight` in the default dtype).
         softmax_type: "vanilla" only (sink attention is refused by `DotProductAttention`).
-        fuse_wgrad_accumulation, ub_*, seq_length, micro_batch_size: TransformerEngine's optimization options,
-            accepted at their defaults (the JIT hints at any value); other values raise NotImplementedError.
+        ub_*, seq_length, micro_batch_size: TransformerEngine's optimization options, accepted at their
+            defaults (the JIT hints at any value); other values raise NotImplementedError.
+        fuse_wgrad_accumulation: every projection weight's gradient is added into its `main_grad`, as for
+            `Linear`.
 
     Forward: `forward(hidden_states, attention_mask=None, encoder_output=None, ...)` returns the output
     (`[s, b, hidden_size]` in the input's format), or a tuple with `proj`'s bias (`return_bias`) and the norm's
@@ -301,7 +311,8 @@ class MultiheadAttention(torch.nn.Module):
 
         label = name or f"MultiheadAttention({hidden_size},{num_attention_heads})"
         common = dict(tp_group=tp_group, tp_size=tp_size, get_rng_state_tracker=get_rng_state_tracker,
-                      sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device, bias=bias)
+                      sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device, bias=bias,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         qkv_kwargs = dict(common, init_method=init_method, parallel_mode="column" if set_parallel_mode else None)
         norm_kwargs = dict(normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                            return_layernorm_output=return_layernorm_output)

@@ -69,8 +69,8 @@ class TransformerLayer(torch.nn.Module):
             qk_norm_before_rope, softmax_type: as for `MultiheadAttention`.
         bias: the linear layers learn biases. activation: as for `LayerNormMLP`.
         attn_input_format: "sbhd", "bshd" or "thd", the layout of `hidden_states`.
-        ub_tp_comm_overlap (and the ub_* flags it gates), fuse_wgrad_accumulation: only off;
-            seq_length, micro_batch_size: JIT hints, accepted.
+        ub_tp_comm_overlap (and the ub_* flags it gates): only off; seq_length, micro_batch_size: JIT hints,
+            accepted. fuse_wgrad_accumulation: as for `Linear`.
 
     Forward: `forward(hidden_states, attention_mask=None, self_attn_mask_type=None, window_size=None,
     encoder_output=None, enc_dec_attn_mask=None, ..., rotary_pos_emb=None, ...)` returns the output, shaped
@@ -171,7 +171,8 @@ class TransformerLayer(torch.nn.Module):
                       zero_centered_gamma=zero_centered_gamma, qkv_weight_interleaved=qkv_weight_interleaved,
                       rotary_pos_interleaved=rotary_pos_interleaved, qkv_format=attn_input_format,
                       softmax_type=softmax_type, bias=bias, normalization=normalization, device=device,
-                      qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope)
+                      qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.self_attention = MultiheadAttention(
             *attention_args, **common, input_layernorm=not self.output_layernorm, attention_type="self",
             return_bias=not self.parallel_attention_mlp, name=f"{label}.self_attention")
@@ -186,7 +187,8 @@ class TransformerLayer(torch.nn.Module):
             return_bias=not self.parallel_attention_mlp, sequence_parallel=self.sequence_parallel,
             params_dtype=params_dtype, return_layernorm_output=self.apply_residual_connection_post_layernorm,
             set_parallel_mode=set_parallel_mode, zero_centered_gamma=zero_centered_gamma, activation=activation,
-            normalization=normalization, device=device, name=f"{label}.layernorm_mlp")
+            normalization=normalization, device=device, name=f"{label}.layernorm_mlp",
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.drop_path = _DropPath(float(drop_path_rate)) if drop_path_rate > 0.0 else None
         if self.output_layernorm:
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm

@@ -38,6 +38,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--megatron-lm", required=True, type=Path,
                         help="Megatron-LM checkout (the directory that holds pretrain_gpt.py)")
+    parser.add_argument("--skip-build-steps", action="store_true",
+                        help="on a GPU machine too: skip Megatron-LM's start-up build steps (rank 0's `make` of "
+                             "megatron-core's dataset helpers, when the installed ones import; the legacy fused "
+                             "kernels' `nvcc -V`, which builds nothing at core_v0.16.1). For machines without "
+                             "`make` or `nvcc`; nothing else changes")
     args = parser.parse_args(ours)
     script = args.megatron_lm.resolve() / "pretrain_gpt.py"
     if not script.is_file():
@@ -55,8 +60,31 @@ def main() -> None:
     import parallel_state
 
     sys.argv = [str(script)] + theirs
-    with parallel_state.cpu_compat() as on_cpu, _megatron_lm_on_cpu(on_cpu):
+    with parallel_state.cpu_compat() as on_cpu, _megatron_lm_on_cpu(on_cpu), \
+            _skip_build_steps(args.skip_build_steps and not on_cpu):
         runpy.run_path(str(script), run_name="__main__")
+
+
+@contextlib.contextmanager
+def _skip_build_steps(skip: bool) -> Iterator[None]:
+    """`--skip-build-steps` on a GPU machine (on CPU `_megatron_lm_on_cpu` skips them already)."""
+    if not skip:
+        yield
+        return
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.legacy import fused_kernels
+
+    patches = [(fused_kernels, "load", lambda args: None)]
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        patches.append((dataset_utils, "compile_helpers", lambda: None))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager

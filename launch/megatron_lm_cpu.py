@@ -71,12 +71,25 @@ def _skip_build_steps(skip: bool) -> Iterator[None]:
     if not skip:
         yield
         return
+    with _patched(_build_step_patches()):
+        yield
+
+
+def _build_step_patches() -> List[Tuple[object, str, object]]:
+    """Megatron-LM's start-up build steps, skipped: the fused-kernel nvcc probe and (when megatron-core's
+    built helpers import) the `make` of its dataset helpers."""
     from megatron.core.datasets import utils as dataset_utils
     from megatron.legacy import fused_kernels
 
-    patches = [(fused_kernels, "load", lambda args: None)]
+    patches: List[Tuple[object, str, object]] = [(fused_kernels, "load", lambda args: None)]
     if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
         patches.append((dataset_utils, "compile_helpers", lambda: None))
+    return patches
+
+
+@contextlib.contextmanager
+def _patched(patches: List[Tuple[object, str, object]]) -> Iterator[None]:
+    """Set each `(owner, name, value)` for the duration, then restore the originals."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -105,27 +118,16 @@ def _megatron_lm_on_cpu(on_cpu: bool) -> Iterator[None]:
     if not on_cpu:
         yield
         return
-    from megatron.core.datasets import utils as dataset_utils
-    from megatron.legacy import fused_kernels
     from megatron.training import arguments, training
 
-    patches = [
-        (fused_kernels, "load", lambda args: None),
+    patches = _build_step_patches() + [
         (arguments, "get_device_arch_version", lambda: 0),
         (training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True)),
         (torch.cuda, "device_count", lambda: 1),
         (torch.cuda, "set_device", lambda device: None),
     ]
-    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
-        patches.append((dataset_utils, "compile_helpers", lambda: None))
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
+    with _patched(patches):
         yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
 
 if __name__ == "__main__":
     main()

@@ -270,7 +270,6 @@ def test_init_method_and_rng_tracker_are_used():
     (lambda: te.Linear(8, 8, tp_size=0), ValueError, "tp_size=0"),
     (lambda: te.Linear(8, 8, tp_group="tp"), TypeError, "tp_group='tp'"),
     (lambda: te.Linear(8, 8, parameters_split=("q", "k")), NotImplementedError, "parameters_split"),
-    (lambda: te.Linear(8, 8, delay_wgrad_compute=True), NotImplementedError, "delay_wgrad_compute"),
     (lambda: te.Linear(8, 8, parallel_mode="sequence"), ValueError, "parallel_mode='sequence'"),
     (lambda: te.Linear(8, 8, activation="gelu"), TypeError, "unexpected keyword argument 'activation'"),
     (lambda: te.Linear(8, 8, params_dtype=torch.float8_e4m3fn), ValueError, "params_dtype=torch.float8_e4m3fn"),

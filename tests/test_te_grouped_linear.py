@@ -336,8 +336,6 @@ def test_construction_follows_te():
 @pytest.mark.parametrize("make, error, match", [
     (lambda: te.GroupedLinear(2, 8, 8, ub_overlap_rs=True), NotImplementedError, r"ub_overlap_rs=True.*userbuffers"),
     (lambda: te.GroupedLinear(2, 8, 8, ub_overlap_ag=True), NotImplementedError, r"ub_overlap_ag=True.*userbuffers"),
-    (lambda: te.GroupedLinear(2, 8, 8, delay_wgrad_compute=True), NotImplementedError,
-     r"delay_wgrad_compute=True"),
     (lambda: te.GroupedLinear(2, 8, 8, single_grouped_weight=True), NotImplementedError,
      r"single_grouped_weight=True.*one per GEMM"),
     (lambda: te.GroupedLinear(2, 8, 8, single_grouped_bias=True), NotImplementedError, r"single_grouped_bias=True"),

@@ -14,6 +14,7 @@ from ..meta import FP8Meta
 from ..quantize import padded_fp8, quantize, quantize_transposed
 from ..recipe import CurrentScaling, Recipe
 from ..scaling import current_scale
+from ._delayed_wgrad import WgradStore, high_precision_linear
 from ..tensor import Float8Tensor
 from ._recompute import Phase, Snapshot, checkpoint_region, in_backward
 from ._sequence_parallel import all_gather_fp8, reduce_scatter_rows, scales_shared_over
@@ -339,7 +340,7 @@ def features_unaligned(weight: torch.Tensor) -> bool:
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group):
+    def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group, wgrad_store):
         fmt = plan.recipe.fp8_format
         x2 = x.reshape(-1, x.shape[-1])
         fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
@@ -367,7 +368,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.save_for_backward(*x_saved, qx_sinv, *w_saved, hp_x)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        ctx.state, ctx.plan = state, plan
+        ctx.state, ctx.plan, ctx.wgrad_store = state, plan, wgrad_store
         return y.reshape(*out_shape, y.shape[-1])
 
     @staticmethod
@@ -395,16 +396,25 @@ class _FP8Linear(torch.autograd.Function):
         del qg, w_saved
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
-                tokens_unaligned = qg_t._data.shape[1] % 16 != 0
-                grad_w = fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, ctx.x_dtype), out_dtype=ctx.w_dtype,
-                                  pad=ctx.pad or tokens_unaligned)
-                del qg_t, x_saved
+                x_dtype, w_dtype, pad = ctx.x_dtype, ctx.w_dtype, ctx.pad or qg_t._data.shape[1] % 16 != 0
+
+                def compute_wgrad():
+                    return fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, x_dtype), out_dtype=w_dtype,
+                                    pad=pad)
             else:
-                grad_w = (g2.t().float() @ hp_x.float()).to(ctx.w_dtype)
+                w_dtype = ctx.w_dtype
+
+                def compute_wgrad():
+                    return (g2.t().float() @ hp_x.float()).to(w_dtype)
+            if ctx.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute: run by backward_dw()
+                ctx.wgrad_store.put(compute_wgrad)
+            else:
+                grad_w = compute_wgrad()
+            del compute_wgrad
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.w_dtype)
         _backward_done(plan)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fp8_linear(
@@ -416,6 +426,7 @@ def fp8_linear(
     wgrad_in_fp8: bool = True,
     sp_group: Optional[dist.ProcessGroup] = None,
     hp_gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    wgrad_store: Optional[WgradStore] = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias`, in FP8 inside an enabled autocast scope and in high precision otherwise.
 
@@ -426,6 +437,9 @@ def fp8_linear(
 
     `is_first_microbatch`: True casts the weight and caches the cast, False reuses the cache (gradient
     accumulation over microbatches), None casts every call and caches nothing.
+
+    `wgrad_store`: backward leaves the weight-gradient computation there instead of running it
+    (TransformerEngine's `delay_wgrad_compute`; the caller runs it later and assigns the gradient).
     """
     plan = _plan(state)
     fp8_gather = (
@@ -436,8 +450,11 @@ def fp8_linear(
         x = hp_gather(x)
     if plan is None:
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
+        if wgrad_store is not None:
+            return high_precision_linear(x, w, bias, wgrad_store)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
-    out = _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group if fp8_gather else None)
+    out = _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group if fp8_gather else None,
+                           wgrad_store)
     _settle_backward(plan, out)
     return out

@@ -8,7 +8,7 @@ register the same slots in the same order whatever tokens each expert got.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -50,13 +50,16 @@ def grouped_fp8_linear(
     states: Sequence[FP8State],
     is_first_microbatch: Optional[bool] = None,
     wgrad_in_fp8: bool = True,
+    wgrad_stores: Optional[Sequence[Any]] = None,
 ) -> torch.Tensor:
     """Expert `i` (`weights[i]`, `biases[i]`, `states[i]`) on rows `sum(splits[:i]) : sum(splits[:i+1])` of `x`
     (split along its first dimension; `splits` checked by `check_splits`), the blocks concatenated again.
 
     Every expert runs, also one without rows (see the module docstring): its output block is empty and its
-    weight and bias gradients zero. `is_first_microbatch` caches each expert's weight cast as `fp8_linear` does.
+    weight and bias gradients zero. `is_first_microbatch` caches each expert's weight cast as `fp8_linear` does;
+    `wgrad_stores[i]` delays expert `i`'s weight gradient (see `fp8_linear`).
     """
-    outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8)
-            for chunk, w, b, st in zip(torch.split(x, list(splits), dim=0), weights, biases, states)]
+    stores = list(wgrad_stores) if wgrad_stores is not None else [None] * len(weights)
+    outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
+            for chunk, w, b, st, store in zip(torch.split(x, list(splits), dim=0), weights, biases, states, stores)]
     return torch.cat(outs, dim=0)

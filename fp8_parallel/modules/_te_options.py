@@ -3,7 +3,7 @@ initialization, and the TransformerEngine constructor options they accept only a
 
 Tensor parallelism (`tp_group`, `tp_size`, `parallel_mode`, `sequence_parallel`) is implemented
 (`_tensor_parallel.py`). A TransformerEngine option that selects behaviour these modules do not have
-(userbuffers overlap, delayed weight gradients, ...) is accepted at its default
+(userbuffers overlap, ...) is accepted at its default
 value and refused, with the reason and what to use instead, at any other. Options that change no result
 (JIT warm-up sizes, the userbuffers name, which copy of the input backward keeps) are accepted.
 """
@@ -24,7 +24,7 @@ _OPTIONS: Dict[str, tuple] = {
     "save_original_input": (False, None),
     "fuse_wgrad_accumulation": (False, None),  # implemented by the modules (`_main_grad.weight_for_gemm`)
     "parameters_split": (None, "each weight is one parameter; split the output after the module instead"),
-    "delay_wgrad_compute": (False, "the weight gradient is computed in the module's own backward"),
+    "delay_wgrad_compute": (False, None),  # implemented by the modules that accept it (`_delayed_wgrad`)
     "symmetric_ar_type": (None, "tensor-parallel all-reduces are torch.distributed's all_reduce (no symmetric "
                                 "memory variants)"),
 }

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._core import FP8State, fp8_linear
+from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
 from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
@@ -90,7 +91,7 @@ def _gated(activation: str) -> bool:
     return activation in _GATED or activation == "clamped_swiglu"
 
 
-class LayerNormMLP(torch.nn.Module):
+class LayerNormMLP(DelayedWgradMethods, torch.nn.Module):
     """Norm, fc1, activation, fc2: TransformerEngine's `LayerNormMLP`.
 
     Args:
@@ -183,6 +184,8 @@ class LayerNormMLP(torch.nn.Module):
         if self.tp.size > 1:
             for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
                 mark_partitioned(p, dim)
+        self._init_delayed_wgrad(bool(te_options.get("delay_wgrad_compute", False)), ["fc1_weight", "fc2_weight"],
+                                 ["fc1_bias", "fc2_bias"])
         tag = name or f"LayerNormMLP({hidden_size},{ffn_hidden_size},{activation})"
         self.fc1_fp8 = FP8State(f"{tag}.fc1", device=device)
         self.fc2_fp8 = FP8State(f"{tag}.fc2", device=device)
@@ -198,9 +201,11 @@ class LayerNormMLP(torch.nn.Module):
         total = self.tp.column_input(ln_out)
         fc1_weight, fc2_weight = (weight_for_gemm(w, self.fuse_wgrad_accumulation, "LayerNormMLP", name)
                                   for w, name in ((self.fc1_weight, "fc1_weight"), (self.fc2_weight, "fc2_weight")))
-        h = fp8_linear(total, fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch)
+        h = fp8_linear(total, fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch,
+                       wgrad_store=self._wgrad_store("fc1_weight"))
         h = activate(self.activation, h, self.activation_params)
-        out = fp8_linear(h, fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch)
+        out = fp8_linear(h, fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch,
+                         wgrad_store=self._wgrad_store("fc2_weight"))
         return out, ln_out, total
 
     def forward(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import fp8_linear
+from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
@@ -25,7 +26,7 @@ _LINEAR_OPTIONS = (
 )
 
 
-class Linear(torch.nn.Module):
+class Linear(DelayedWgradMethods, torch.nn.Module):
     """FP8 linear layer `y = x @ weight.T + bias`, TransformerEngine's `Linear`.
 
     Args:
@@ -49,7 +50,9 @@ class Linear(torch.nn.Module):
         **te_options: TransformerEngine's other `Linear` options. `fuse_wgrad_accumulation=True`: the weight
             gradient is added into `weight.main_grad` (which must exist, e.g. from megatron's DDP); `.grad`
             stays None, or (the parameter having `grad_added_to_main_grad`, megatron's protocol) the flag is
-            set and autograd gets an unused buffer, as in TransformerEngine. The others (userbuffers, ...)
+            set and autograd gets an unused buffer, as in TransformerEngine. `delay_wgrad_compute=True`:
+            backward computes the input gradient only and `backward_dw()` the weight gradient later (it
+            replaces `.grad`, as in TransformerEngine). The others (userbuffers, ...)
             are accepted at their defaults; other values raise NotImplementedError naming what to use.
 
     Parameters carry megatron's tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`) when
@@ -94,6 +97,7 @@ class Linear(torch.nn.Module):
         add_linear_parameters(self, local_in, local_out, bias, dtype, device, init_method,
                               get_rng_state_tracker, name or f"Linear({in_features},{out_features})",
                               rng_tracker_name)
+        self._init_delayed_wgrad(bool(te_options.get("delay_wgrad_compute", False)), ["weight"], ["bias"])
         if self.tp.size > 1 and parallel_mode is not None:
             mark_partitioned(self.weight, 1 if parallel_mode == "row" else 0)
             if parallel_mode == "column":
@@ -124,7 +128,8 @@ class Linear(torch.nn.Module):
         bias = self.bias if not self.return_bias and not row else None
         if self.tp.mode == "column":
             inp = self.tp.column_input(inp)
-        out = fp8_linear(inp, self.gemm_weight(), bias, self.fp8, is_first_microbatch)
+        out = fp8_linear(inp, self.gemm_weight(), bias, self.fp8, is_first_microbatch,
+                         wgrad_store=self._wgrad_store("weight"))
         if row:
             out = self.tp.row_output(out)
             if self.bias is not None and not self.return_bias:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
+from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
 from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
 from ._tensor_parallel import TensorParallel, mark_partitioned
@@ -26,7 +27,7 @@ _GROUPED_OPTIONS = ("fuse_wgrad_accumulation", "ub_overlap_rs", "ub_overlap_ag",
 _SINGLE_PARAMETER_OPTIONS = ("single_grouped_weight", "single_grouped_bias")
 
 
-class GroupedLinear(torch.nn.Module):
+class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
     """`num_gemms` FP8 linears over consecutive row blocks of one input: rows `sum(m_splits[:i]) :
     sum(m_splits[:i+1])` of the input go through `y_i = x_i @ weight{i}.T + bias{i}`. TransformerEngine's
     `GroupedLinear`, as MoE layers use it for their experts.
@@ -49,9 +50,10 @@ class GroupedLinear(torch.nn.Module):
         name: a label for the FP8 states (debugging).
         **te_options: TransformerEngine's other `GroupedLinear` options. `ub_name` and `save_original_input`
             are accepted at any value (no effect on a result); `fuse_wgrad_accumulation=True` adds each weight's
-            gradient into its `main_grad` (as TransformerEngine); `ub_overlap_rs`, `ub_overlap_ag`,
-            `delay_wgrad_compute`, `single_grouped_weight`, `single_grouped_bias` only at their defaults
-            (False): other values raise NotImplementedError naming the option.
+            gradient into its `main_grad` (as TransformerEngine); `delay_wgrad_compute=True` leaves the
+            weight gradients to `backward_dw()` (as `Linear`); `ub_overlap_rs`, `ub_overlap_ag`,
+            `single_grouped_weight`, `single_grouped_bias` only at their defaults (False): other values raise
+            NotImplementedError naming the option.
 
     Parameters: `weight0 .. weight{num_gemms-1}` (`[out_features, in_features]`, this rank's shard, carrying
     megatron's `tensor_model_parallel` / `partition_dim` when split) and `bias0 ..` (None without biases), in
@@ -89,6 +91,7 @@ class GroupedLinear(torch.nn.Module):
                     f"grouped parameter is not implemented. Leave {option}=False.")
         check_te_options("GroupedLinear", _GROUPED_OPTIONS, te_options)
         self.fuse_wgrad_accumulation = bool(te_options.get("fuse_wgrad_accumulation", False))
+        delay_wgrad_compute = bool(te_options.get("delay_wgrad_compute", False))
         for label, size in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"GroupedLinear({label}={size!r}): expected a positive integer")
@@ -110,6 +113,8 @@ class GroupedLinear(torch.nn.Module):
             self.register_parameter(f"weight{i}", w)
             b = torch.nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device)) if bias else None
             self.register_parameter(f"bias{i}", b)
+        self._init_delayed_wgrad(delay_wgrad_compute, [f"weight{i}" for i in range(num_gemms)],
+                                 [f"bias{i}" for i in range(num_gemms)])
         tag = (name or f"GroupedLinear({in_features},{out_features})").replace("{", "{{").replace("}", "}}")
         self.fp8 = expert_states(num_gemms, tag + "[{i}]", device)
 
@@ -163,7 +168,8 @@ class GroupedLinear(torch.nn.Module):
         biases = [None] * self.num_gemms if self.return_bias else self._biases()
         weights = [weight_for_gemm(w, self.fuse_wgrad_accumulation, "GroupedLinear", f"weight{i}")
                    for i, w in enumerate(self._weights())]
-        y = grouped_fp8_linear(x, splits, weights, biases, self.fp8, is_first_microbatch)
+        stores = [self._wgrad_store(f"weight{i}") for i in range(self.num_gemms)]
+        y = grouped_fp8_linear(x, splits, weights, biases, self.fp8, is_first_microbatch, wgrad_stores=stores)
         y = y.reshape(*inp.shape[:-1], y.shape[-1])
         if self.return_bias:
             return y, [None if b is None else b.to(y.dtype) for b in self._biases()]

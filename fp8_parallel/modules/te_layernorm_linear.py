@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import fp8_linear
+from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
@@ -25,7 +26,7 @@ _LAYERNORM_LINEAR_OPTIONS = (
 )
 
 
-class LayerNormLinear(torch.nn.Module):
+class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
     """`normalization(x) @ weight.T + bias`, TransformerEngine's `LayerNormLinear`.
 
     Args:
@@ -103,6 +104,7 @@ class LayerNormLinear(torch.nn.Module):
         local_out = self.tp.split(out_features, "out_features") if parallel_mode == "column" else out_features
         add_linear_parameters(self, in_features, local_out, bias, dtype, device, init_method,
                               get_rng_state_tracker, name or f"LayerNormLinear({in_features},{out_features})")
+        self._init_delayed_wgrad(bool(te_options.get("delay_wgrad_compute", False)), ["weight"], ["bias"])
         if self.tp.size > 1 and parallel_mode == "column":
             mark_partitioned(self.weight, 0)
             mark_partitioned(self.bias, 0)
@@ -128,7 +130,8 @@ class LayerNormLinear(torch.nn.Module):
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
         total = self.tp.column_input(ln_out)
-        out = fp8_linear(total, self.gemm_weight(), None if self.return_bias else self.bias, self.fp8, is_first_microbatch)
+        out = fp8_linear(total, self.gemm_weight(), None if self.return_bias else self.bias, self.fp8, is_first_microbatch,
+                         wgrad_store=self._wgrad_store("weight"))
         extra = []
         if self.return_bias:
             extra.append(None if self.bias is None else self.bias.to(out.dtype))

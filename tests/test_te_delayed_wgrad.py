@@ -1,0 +1,91 @@
+"""TransformerEngine's `delay_wgrad_compute=True`: backward computes input (and bias) gradients only; the
+weight gradients are computed when `backward_dw()` runs, bitwise those of the module without delay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8_parallel as te
+from te_testing import seed_for
+
+RECIPES = {"hp": None, "delayed": te.DelayedScaling(), "current": te.Float8CurrentScaling()}
+BUILDERS = {
+    "Linear": (lambda **kw: te.Linear(32, 48, **kw), ["weight"]),
+    "LayerNormLinear": (lambda **kw: te.LayerNormLinear(32, 48, **kw), ["weight"]),
+    "LayerNormMLP": (lambda **kw: te.LayerNormMLP(32, 64, activation="swiglu", **kw), ["fc1_weight", "fc2_weight"]),
+    "GroupedLinear": (lambda **kw: te.GroupedLinear(3, 32, 48, **kw), ["weight0", "weight1", "weight2"]),
+}
+
+
+def _backward(module, kind, x, recipe):
+    x = x.clone().requires_grad_()
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        y = module(x, [9, 0, 7]) if kind == "GroupedLinear" else module(x)
+    y.float().square().sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_backward_dw_gives_the_gradients_of_the_undelayed_module(kind, rname):
+    seed = seed_for(f"delay/{kind}/{rname}")
+    torch.manual_seed(seed)
+    build, weights = BUILDERS[kind]
+    delayed = build(device="cpu", delay_wgrad_compute=True)
+    plain = build(device="cpu")
+    plain.load_state_dict(delayed.state_dict())
+    assert delayed.need_backward_dw() and not plain.need_backward_dw()
+    hooks = []
+    delayed.register_wgrad_accumulation_and_reduce_hooks(lambda: hooks.append(len(hooks)))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed + 1))
+    for step in range(2):  # the second step: FP8 scales from the first
+        for m in (delayed, plain):
+            for p in m.parameters():
+                p.grad = None
+        dx_delayed, dx_plain = _backward(delayed, kind, x, RECIPES[rname]), _backward(plain, kind, x, RECIPES[rname])
+        assert torch.equal(dx_delayed, dx_plain)
+        params = dict(delayed.named_parameters())
+        assert all(params[w].grad is None for w in weights) and hooks == list(range(step))
+        delayed.backward_dw()
+        assert hooks == list(range(step + 1))
+        for name, p in plain.named_parameters():
+            assert (p.grad is None) == (params[name].grad is None), name
+            if p.grad is not None:
+                assert torch.equal(params[name].grad, p.grad), (step, name)
+    delayed.backward_dw()  # nothing pending: no effect
+    assert hooks == [0, 1] and all(getattr(params[w], "skip_backward_post_hook", False) for w in weights)
+
+
+def test_each_backward_dw_takes_the_oldest_backward_and_replaces_grad():
+    """Two backward passes, then two `backward_dw()`: as TransformerEngine, the first gives the first pass's
+    weight gradient, the second replaces it with the second pass's (`.grad` is assigned, not accumulated)."""
+    seed = seed_for("delay/queue")
+    torch.manual_seed(seed)
+    lin = te.Linear(32, 48, device="cpu", delay_wgrad_compute=True)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(8, 32, generator=gen) for _ in range(2)]
+    for x in xs:
+        lin(x).sum().backward()
+    expected = [torch.ones(8, 48).t() @ x for x in xs]
+    for want in expected:
+        lin.backward_dw()
+        torch.testing.assert_close(lin.weight.grad, want, rtol=1e-6, atol=1e-6)
+
+
+def test_delayed_gradients_go_to_main_grad_with_fused_accumulation():
+    seed = seed_for("delay/main_grad")
+    torch.manual_seed(seed)
+    mlp = te.LayerNormMLP(32, 64, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    plain = te.LayerNormMLP(32, 64, device="cpu")
+    plain.load_state_dict(mlp.state_dict())
+    for name in ("fc1_weight", "fc2_weight"):
+        getattr(mlp, name).main_grad = torch.zeros_like(getattr(mlp, name))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
+    for m in (mlp, plain):
+        with te.autocast(recipe=te.DelayedScaling()):
+            m(x).sum().backward()
+    assert mlp.fc1_weight.main_grad.abs().sum() == 0
+    mlp.backward_dw()
+    for name in ("fc1_weight", "fc2_weight"):
+        assert getattr(mlp, name).grad is None
+        assert torch.equal(getattr(mlp, name).main_grad, getattr(plain, name).grad), name

@@ -266,12 +266,17 @@ def check_autocast_amax_reduction_group():
 # partial per rank: summed over the TP group here, as megatron's DDP / finalize_model_grads sums it) within 1e-5
 # relative. FP8 (delayed scaling, amax group = the TP group): against the TP1 module in high precision within
 # test_te_surface.py's tolerances for FP8 GEMMs in a row (forward 2 * 0.08, backward 2 * 0.12), and against the
-# TP1 module in FP8 (same recipe, same steps, so the same scales) within FP8_TP1_TOL. A key bias's gradient is
+# TP1 module in FP8 (same recipe, same steps, so nearly the same scales) within FP8_TP1_TOL. A key bias's gradient is
 # zero in exact arithmetic (and the key bias unobservable): only its size is checked.
 
 LAYER_HEADS, LAYER_TOL, ZERO_GRAD_TOL = 4, 1e-5, 1e-4
 CHAINED_FWD_TOL, CHAINED_BWD_TOL = 2 * FWD_TOL, 2 * BWD_TOL
-FP8_TP1_TOL = 1e-4  # TP2 vs TP1, both FP8 with the same delayed scales: measured below 1e-6
+# TP2 vs TP1, both FP8 with delayed scaling: usually below 1e-6 (summation order only). But the row-parallel sum
+# of another order can move an amax by an ulp, so a scale by 1-2 ulp (seen: FP8P_TEST_SEED=74903, fc1/fc2 input
+# scales of the TransformerLayer); a few FP8 values then round the other way and a small layer's gradients move by
+# up to 5e-3 (its output by 2e-4). Scales that really differ (e.g. a shard's own amax) re-round every value:
+# errors of the FP8 noise's size (~4e-2, the "out" error against high precision above).
+FP8_TP1_TOL = 1e-2
 
 
 def _layer_init(w: torch.Tensor) -> torch.Tensor:

@@ -373,6 +373,13 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # independent of an autocast region the caller runs backward in (torch's autocast would otherwise
+        # recast ops of the FP8 path), as TransformerEngine's kernels are
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _FP8Linear._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         saved = ctx.saved_tensors
         x_saved, qx_sinv, w_saved, hp_x = saved[0:3], saved[3], saved[4:8], saved[8]
         del saved
@@ -407,7 +414,7 @@ class _FP8Linear(torch.autograd.Function):
                 def compute_wgrad():
                     return (g2.t().float() @ hp_x.float()).to(w_dtype)
             if ctx.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute: run by backward_dw()
-                ctx.wgrad_store.put(compute_wgrad)
+                ctx.wgrad_store.put(compute_wgrad, g2.device.type)
             else:
                 grad_w = compute_wgrad()
             del compute_wgrad

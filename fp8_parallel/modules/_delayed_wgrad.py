@@ -3,7 +3,7 @@ is computed later, when the module's `backward_dw()` runs it (e.g. to fill pipel
 from __future__ import annotations
 
 import collections
-from typing import Callable, Deque
+from typing import Callable, Deque, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,39 +13,54 @@ class WgradStore:
     """The weight-gradient computations one weight's backward passes left, oldest first."""
 
     def __init__(self) -> None:
-        self._pending: Deque[Callable[[], torch.Tensor]] = collections.deque()
+        self._pending: Deque[Tuple[Callable[[], torch.Tensor], str]] = collections.deque()
 
-    def put(self, compute: Callable[[], torch.Tensor]) -> None:
-        self._pending.append(compute)
+    def put(self, compute: Callable[[], torch.Tensor], device_type: str) -> None:
+        self._pending.append((compute, device_type))
 
     def pop(self) -> torch.Tensor:
-        """Run the oldest pending computation and return its weight gradient."""
+        """Run the oldest pending computation (outside any autocast region the caller is in: the dtypes were
+        fixed by the forward) and return its weight gradient."""
         if not self._pending:
             raise RuntimeError("backward_dw: no delayed weight gradient is pending (run backward first)")
-        return self._pending.popleft()()
+        compute, device_type = self._pending.popleft()
+        with torch.autocast(device_type, enabled=False):
+            return compute()
 
     def __len__(self) -> int:
         return len(self._pending)
 
 
 class _HighPrecisionLinear(torch.autograd.Function):
-    """`F.linear` whose weight gradient goes to a `WgradStore` (the path outside an FP8 scope)."""
+    """`F.linear` whose weight gradient goes to a `WgradStore` (the path outside an FP8 scope). Inside an
+    autocast region it computes in the autocast dtype, as torch's autocast runs `F.linear`; its backward (and
+    the delayed weight gradient) use the dtypes of that forward, wherever they run."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, store: WgradStore):
-        ctx.save_for_backward(x, weight)
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        with torch.autocast(device_type, enabled=False):
+            xc, wc = x.to(dtype), weight.to(dtype)
+            out = F.linear(xc, wc, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(xc, wc)
         ctx.store, ctx.has_bias = store, bias is not None
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x = (grad @ weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
-            w_dtype = weight.dtype
-            ctx.store.put(lambda: (g2.t() @ x2.detach()).to(w_dtype))
-        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        xc, wc = ctx.saved_tensors
+        device_type = grad.device.type
+        with torch.autocast(device_type, enabled=False):
+            g = grad.to(wc.dtype)
+            g2, x2 = g.reshape(-1, g.shape[-1]), xc.reshape(-1, xc.shape[-1])
+            grad_x = (g @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            if ctx.needs_input_grad[1]:
+                w_dtype = ctx.w_dtype
+                ctx.store.put(lambda: (g2.t() @ x2).to(w_dtype), device_type)
+            grad_b = g2.sum(0).to(ctx.b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b, None
 
 

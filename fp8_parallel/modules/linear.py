@@ -50,7 +50,7 @@ class Linear(DelayedWgradMethods, torch.nn.Module):
         **te_options: TransformerEngine's other `Linear` options. `fuse_wgrad_accumulation=True`: the weight
             gradient is added into `weight.main_grad` (which must exist, e.g. from megatron's DDP); `.grad`
             stays None, or (the parameter having `grad_added_to_main_grad`, megatron's protocol) the flag is
-            set and autograd gets an unused buffer, as in TransformerEngine. `delay_wgrad_compute=True`:
+            set and autograd gets an unused, uninitialized buffer, as in TransformerEngine. `delay_wgrad_compute=True`:
             backward computes the input gradient only and `backward_dw()` the weight gradient later (it
             replaces `.grad`, as in TransformerEngine). The others (userbuffers, ...)
             are accepted at their defaults; other values raise NotImplementedError naming what to use.

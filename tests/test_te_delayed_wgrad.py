@@ -17,6 +17,17 @@ BUILDERS = {
 }
 
 
+def _twins(kind: str, label: str):
+    """A module with delayed weight gradients, its undelayed twin (same weights) and an input."""
+    seed = seed_for(label)
+    torch.manual_seed(seed)
+    build = BUILDERS[kind][0]
+    delayed = build(device="cpu", delay_wgrad_compute=True)
+    plain = build(device="cpu")
+    plain.load_state_dict(delayed.state_dict())
+    return seed, delayed, plain, torch.randn(16, 32, generator=torch.Generator().manual_seed(seed + 1))
+
+
 def _backward(module, kind, x, recipe):
     x = x.clone().requires_grad_()
     with te.autocast(enabled=recipe is not None, recipe=recipe):
@@ -28,16 +39,11 @@ def _backward(module, kind, x, recipe):
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_backward_dw_gives_the_gradients_of_the_undelayed_module(kind, rname):
-    seed = seed_for(f"delay/{kind}/{rname}")
-    torch.manual_seed(seed)
-    build, weights = BUILDERS[kind]
-    delayed = build(device="cpu", delay_wgrad_compute=True)
-    plain = build(device="cpu")
-    plain.load_state_dict(delayed.state_dict())
+    _, delayed, plain, x = _twins(kind, f"delay/{kind}/{rname}")
+    weights = BUILDERS[kind][1]
     assert delayed.need_backward_dw() and not plain.need_backward_dw()
     hooks = []
     delayed.register_wgrad_accumulation_and_reduce_hooks(lambda: hooks.append(len(hooks)))
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed + 1))
     for step in range(2):  # the second step: FP8 scales from the first
         for m in (delayed, plain):
             for p in m.parameters():
@@ -97,13 +103,7 @@ def test_delayed_gradients_under_torch_autocast(kind, rname):
     """Forward inside `torch.autocast` (bf16), backward and `backward_dw()` outside it, as torch's AMP recipe
     runs them: the gradients are bitwise those of the undelayed module (a delayed high-precision weight
     gradient used to mix bf16 and float32 operands and fail)."""
-    seed = seed_for(f"delay/autocast/{kind}/{rname}")
-    torch.manual_seed(seed)
-    build, _ = BUILDERS[kind]
-    delayed = build(device="cpu", delay_wgrad_compute=True)
-    plain = build(device="cpu")
-    plain.load_state_dict(delayed.state_dict())
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed + 1))
+    _, delayed, plain, x = _twins(kind, f"delay/autocast/{kind}/{rname}")
     grads = []
     for m in (delayed, plain):
         xi = x.clone().requires_grad_()

@@ -375,7 +375,10 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         # independent of an autocast region the caller runs backward in (torch's autocast would otherwise
         # recast ops of the FP8 path), as TransformerEngine's kernels are
-        with torch.autocast(grad_out.device.type, enabled=False):
+        device_type = grad_out.device.type
+        if not torch.is_autocast_enabled(device_type):  # the usual case: no context manager per call
+            return _FP8Linear._backward(ctx, grad_out)
+        with torch.autocast(device_type, enabled=False):
             return _FP8Linear._backward(ctx, grad_out)
 
     @staticmethod

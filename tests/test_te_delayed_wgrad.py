@@ -138,3 +138,13 @@ def test_fp8_backward_does_not_depend_on_an_enclosing_torch_autocast(rname):
             y.float().sum().backward()
         grads.append([xi.grad, m.weight.grad, m.bias.grad])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_frozen_weight_is_skipped_by_backward_dw():
+    """A frozen fc1 weight leaves no delayed gradient; backward_dw() computes fc2's and leaves fc1's None."""
+    _, mlp, plain, x = _twins("LayerNormMLP", "delay/frozen")
+    for m in (mlp, plain):
+        m.fc1_weight.requires_grad_(False)
+        _backward(m, "LayerNormMLP", x, None)
+    mlp.backward_dw()
+    assert mlp.fc1_weight.grad is None and torch.equal(mlp.fc2_weight.grad, plain.fc2_weight.grad)

@@ -85,6 +85,8 @@ class DelayedWgrad:
         if not any(len(store) for store in self.stores.values()):
             return
         for name, store in self.stores.items():
+            if not len(store):  # a frozen weight: no gradient was left for it
+                continue
             weight = getattr(module, name)
             grad = store.pop()
             if fuse_wgrad_accumulation:

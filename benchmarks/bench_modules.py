@@ -1,5 +1,7 @@
 """FP8 MLP (fc1 -> gelu -> fc2) forward+backward: ours (eager, delayed scaling) vs bf16 eager and torchao
-Float8Linear with torch.compile, with peak memory; and the host overhead of a tiny FP8 Linear."""
+Float8Linear with torch.compile, with peak memory; MoE experts (grouped linears) with the grouped FP8 GEMM
+against the per-expert FP8 GEMMs and BF16 (per-expert and torch's grouped GEMM); and the host overhead of a
+tiny FP8 Linear."""
 from __future__ import annotations
 
 import sys
@@ -89,6 +91,76 @@ def bench_mlp(d: int, f: int, tokens: int) -> None:
     record("mlp", f"{case} fp8_parallel vs torchao", "speedup", t_ao / t_ours, "torchao+compile time", t_ao / t_ours)
 
 
+class _Experts(torch.nn.Module):
+    """fc1 -> gelu -> fc2 over experts' row blocks: our GroupedLinear (FP8 in a scope, or BF16 with
+    `fp8=False`), or BF16 per-expert `F.linear` / torch's grouped GEMM (`bf16_impl`) on the same weights."""
+
+    def __init__(self, e: int, d: int, f: int, fp8: bool, bf16_impl: str = ""):
+        super().__init__()
+        self.fc1 = fp.GroupedLinear(e, d, f, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        self.fc2 = fp.GroupedLinear(e, f, d, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        self.fp8, self.bf16_impl, self.e = fp8, bf16_impl, e
+        self.recipe = fp.DelayedScaling(amax_history_len=16)
+
+    def _weights(self, lin):
+        return [getattr(lin, f"weight{i}") for i in range(self.e)]
+
+    def _bf16(self, lin, x, splits, offs):
+        if self.bf16_impl == "grouped":
+            return torch._grouped_mm(x, torch.stack(self._weights(lin)).transpose(1, 2), offs=offs)
+        return torch.cat([torch.nn.functional.linear(c, w) for c, w in zip(torch.split(x, splits), self._weights(lin))])
+
+    def forward(self, x, splits, offs):
+        if self.bf16_impl:
+            return self._bf16(self.fc2, torch.nn.functional.gelu(self._bf16(self.fc1, x, splits, offs)), splits, offs)
+        with fp.autocast(enabled=self.fp8, recipe=self.recipe):
+            return self.fc2(torch.nn.functional.gelu(self.fc1(x, splits)), splits)
+
+
+def bench_experts(e: int, d: int, f: int, tokens: int) -> None:
+    """MoE experts fc1 -> gelu -> fc2, forward+backward and forward alone, uneven routing (fixed seed)."""
+    from fp8_parallel.modules import _grouped_core
+
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.multinomial(torch.rand(e, generator=gen) + 0.5, tokens, True, generator=gen),
+                            minlength=e)
+    splits = counts.tolist()
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    case = f"E={e} D={d} F={f} T={tokens}"
+    base = _Experts(e, d, f, fp8=False, bf16_impl="loop")
+    variants = [("bf16 per-expert F.linear", base, None), ("bf16 torch._grouped_mm", None, None),
+                ("fp8 per-expert GEMMs", None, False), ("fp8 grouped GEMM", None, True)]
+    times = {}
+    for name, model, grouped in variants:
+        if model is None:
+            model = _Experts(e, d, f, fp8=grouped is not None, bf16_impl="grouped" if grouped is None else "")
+            model.load_state_dict(base.state_dict(), strict=False)
+        if grouped is not None:
+            _grouped_core.GROUPED_GEMM = grouped
+
+        def step(model=model):
+            for p in model.parameters():
+                p.grad = None
+            x.grad = None
+            model(x, splits, offs).backward(grad)
+
+        def forward(model=model):
+            with torch.no_grad():
+                model(x, splits, offs)
+        try:
+            times[name] = bench_ms(step, iters=20), bench_ms(forward, iters=20)
+        except Exception as err:  # torch's BF16 grouped GEMM may be missing or refuse a layout
+            print(f"experts {case} {name}: {type(err).__name__}: {err}")
+            continue
+        ref = times.get("bf16 per-expert F.linear")
+        for label, i in (("fwd+bwd", 0), ("fwd", 1)):
+            ratio = ref[i] / times[name][i] if ref else float("nan")
+            record("experts", f"{case} {name} {label}", "ms", times[name][i], "bf16 per-expert time", ratio)
+    _grouped_core.GROUPED_GEMM = True
+
+
 def _host_ms(fn, iters: int = 300) -> float:
     for _ in range(20):
         fn()
@@ -157,4 +229,6 @@ if __name__ == "__main__":
     bench_host_overhead()
     bench_mlp(4096, 14336, 16384)
     bench_mlp(8192, 28672, 8192)
+    bench_experts(8, 2048, 1408, 16384)
+    bench_experts(8, 4096, 2048, 16384)
     dump(out)

@@ -70,12 +70,14 @@ if [ "$CPU" = 1 ]; then
   SIZE=(--distributed-backend gloo --use-cpu-initialization
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
         --micro-batch-size 2 --global-batch-size 4 --vocab-size 128)
+  PRECISION=()
   MODE="CPU (gloo, fp32) through launch/megatron_lm_cpu.py"
 else
   ITERS=30; HALF=15; TIMEOUT=${MLM_TIMEOUT:-300}; PARALLEL=${MLM_PARALLEL:-1}
   LAUNCH=(python3 -m torch.distributed.run --nproc_per_node=2)
   SIZE=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256
-        --micro-batch-size 4 --global-batch-size 8 --vocab-size 1024 --bf16)
+        --micro-batch-size 4 --global-batch-size 8 --vocab-size 1024)
+  PRECISION=(--bf16)
   # what compile_helpers (`make -C DIR`) and fused_kernels.load (`$CUDA_HOME/bin/nvcc -V`) will meet
   BUILD=$(python3 - <<'PY'
 import importlib.util, os
@@ -129,7 +131,7 @@ PORT=$((29500 + RANDOM % 2000))
 run() {  # run NAME PORT ARGS...: one torchrun, its log in OUTDIR/NAME.log
   local name=$1 port=$2; shift 2
   local start=$SECONDS
-  (cd "$OUTDIR" && timeout -k 15 "$TIMEOUT" "${LAUNCH[@]}" --master_port="$port" "${SCRIPT[@]}" "${COMMON[@]}" "$@" \
+  (cd "$OUTDIR" && timeout -k 15 "$TIMEOUT" "${LAUNCH[@]}" --master_port="$port" "${SCRIPT[@]}" "${COMMON[@]}" "${PRECISION[@]}" "$@" \
      > "$OUTDIR/$name.log" 2>&1)
   local rc=$?
   echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUTDIR/exit_codes.txt"
@@ -143,7 +145,10 @@ elif [ "$PARALLEL" = 1 ]; then
   run fp8 $((PORT + 2)) "${FP8[@]}" &
   run fp8_first_half $((PORT + 3)) "${FP8[@]}" --save "$CKPT/fp8" --save-interval "$HALF" --exit-interval "$HALF" &
   wait
-  run fp8_resumed $((PORT + 4)) "${FP8[@]}" --load "$CKPT/fp8"
+  run fp8_resumed $((PORT + 4)) "${FP8[@]}" --load "$CKPT/fp8" &
+  # a precision reference for the BF16-vs-FP8 distance: the same run in float32 (no --bf16)
+  (PRECISION=(); run fp32 $((PORT + 5))) &
+  wait
 else
   rm -f "$OUTDIR/exit_codes.txt"
   run bf16 $((PORT + 1))
@@ -240,6 +245,20 @@ print(f"info: resumed grad norms {half + 1}-{iters} equal the straight run (as p
 head = [it for it in range(1, half + 1) if it in first and it in fp8 and first[it][:2] == fp8[it][:2]]
 print(f"info: the saving run's iterations 1-{half} equal the straight run's (loss and grad norm as printed; "
       f"run-to-run determinism): {len(head)}/{half}")
+fp32 = parse("fp32")[0]
+if fp32:  # the GPU runs' precision reference: how far BF16 itself is from float32 over the same run
+    common = [it for it in range(1, iters + 1) if it in fp32 and it in bf16 and it in fp8]
+    print(f"{'iter':>4} {'FP32 loss':>14} {'BF16 vs FP32':>13} {'FP8 vs FP32':>12}")
+    for it in common:
+        f32 = float(fp32[it][0])
+        print(f"{it:4d} {fp32[it][0]:>14} {(float(bf16[it][0]) - f32) / f32 * 100:12.4f}% "
+              f"{(float(fp8[it][0]) - f32) / f32 * 100:11.4f}%")
+    for name, run in (("BF16", bf16), ("FP8", fp8)):
+        dist = {it: abs(float(run[it][0]) - float(fp32[it][0])) / abs(float(fp32[it][0])) for it in common}
+        if dist:
+            worst = max(dist, key=dist.get)
+            print(f"info: max rel diff {name} vs FP32 over iterations 1-{iters}: {dist[worst] * 100:.4f}% "
+                  f"(iteration {worst}); mean {sum(dist.values()) / len(dist) * 100:.4f}%")
 print("RESULT:", "PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 PY

@@ -244,22 +244,22 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
     return state.weight_fp8
 
 
-def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool):
-    """Cast a (non-sequence-parallel) input for fprop. Returns the FP8 input and what backward needs for the
-    wgrad operand, `[qx_t, x_ref, x_scale]` (see `_input_transposed`).
+def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool, out: Optional[Float8Tensor] = None):
+    """Cast a (non-sequence-parallel) input for fprop (into `out` when given). Returns the FP8 input and what
+    backward needs for the wgrad operand, `[qx_t, x_ref, x_scale]` (see `_input_transposed`).
 
-    A leaf input (a batch, a pipeline stage's received activation, a graph's static input) stays alive
-    anyway: it is kept by reference and its transpose re-cast in backward with the forward's scale (the
-    same bytes), instead of a second, FP8 copy held from forward to backward. Otherwise one fused pass
-    writes the FP8 input and its transpose, and only the transpose (1 byte/element) is kept.
+    A `leaf` input (no autograd history: a batch, a pipeline stage's received activation, a graph's static
+    input) stays alive anyway: it is kept by reference and its transpose re-cast in backward with the
+    forward's scale (the same bytes), instead of a second, FP8 copy held from forward to backward. Otherwise
+    one fused pass writes the FP8 input and its transpose, and only the transpose (1 byte/element) is kept.
     """
     fmt = plan.recipe.fp8_format
     slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
-    if fp8_wgrad and x.grad_fn is None:
+    if fp8_wgrad and leaf:
         x_scale = _input_scale(x2, plan, fmt.forward_dtype)
-        return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype), [None, x, x_scale]
+        return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype, out=out), [None, x, x_scale]
     scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
-    qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
+    qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, out=out, with_transpose=fp8_wgrad)
     return qx, [qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None, None, None]
 
 
@@ -338,93 +338,113 @@ def features_unaligned(weight: torch.Tensor) -> bool:
     return weight.shape[0] % ALIGN != 0 or weight.shape[-1] % ALIGN != 0
 
 
+def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan: _Plan, wgrad_in_fp8: bool,
+                    has_bias: bool, sp_group=None, wgrad_store=None, leaf: Optional[bool] = None,
+                    qx_out: Optional[Float8Tensor] = None):
+    """The FP8 input of one linear's fprop, and what its backward needs: sets `rec`'s attributes (an autograd
+    ctx, or a record of one expert of a grouped call) and returns `(qx, tensors to save, out_shape)`; the
+    saved tensors, in order, are what `linear_backward` takes. `leaf`: whether `x` has no autograd history
+    (default: from `x`); `qx_out`: cast the input into it (no sequence parallelism)."""
+    fmt = plan.recipe.fp8_format
+    x2 = x.reshape(-1, x.shape[-1])
+    fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
+    rec.sp_group = sp_group
+    out_shape = x.shape[:-1]
+    if sp_group is None:
+        qx, x_saved = _input_operand(x, x2, plan, fp8_wgrad, x.grad_fn is None if leaf is None else leaf, qx_out)
+    else:
+        # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
+        slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
+        scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1]
+        qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
+        x_saved = [qx.transpose_2d()._data if fp8_wgrad else None, None, None]
+        out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
+    rec.pad = features_unaligned(weight)
+    rec.wgrad_in_fp8 = wgrad_in_fp8
+    hp_x = x2.detach() if not wgrad_in_fp8 and weight.requires_grad else None  # megatron's fp8_wgrad=False
+    w_saved, rec.cached_weight = ([None] * 4, None)
+    if x.requires_grad:
+        w_saved, rec.cached_weight = _weight_operand(weight, qweight, state, plan)
+    rec.x_shape, rec.x_dtype, rec.w_dtype = x.shape, x.dtype, weight.dtype
+    rec.has_bias = has_bias
+    rec.state, rec.plan, rec.wgrad_store = state, plan, wgrad_store
+    return qx, (*x_saved, qx._scale_inv, *w_saved, hp_x), out_shape
+
+
+SAVED_PER_LINEAR = 9  # tensors `linear_operands` returns for saving, per linear
+
+
+def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad):
+    """One FP8 linear's backward from `linear_operands`' record and saved tensors: `(grad_x, grad_w,
+    grad_b)` for `needs_input_grad` (x, weight, bias)."""
+    x_saved, qx_sinv, w_saved, hp_x = saved[0:3], saved[3], saved[4:8], saved[8]
+    del saved
+    plan = rec.plan
+    fmt = plan.recipe.fp8_format
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    delayed = not isinstance(plan.recipe, CurrentScaling)
+    fp8_wgrad = rec.wgrad_in_fp8 and needs_input_grad[1]
+    qg = _cast(g2, plan.recipe, rec.state.bwd.scale if delayed else None, _backward_slot(plan, rec.state),
+               fmt.backward_dtype, with_transpose=fp8_wgrad)
+    qg_t = qg.transpose_2d(update_cache=False) if fp8_wgrad else None
+    grad_x = grad_w = grad_b = None
+    # dgrad first; its operands (the row-major grad cast, the weight's transpose) are released before the
+    # wgrad GEMM allocates the weight gradient, so the two sets never coexist (lower peak memory)
+    if needs_input_grad[0]:
+        grad_x = fp8_gemm(qg, _weight_transposed(w_saved, rec.cached_weight, plan, rec.w_dtype), out_dtype=rec.x_dtype,
+                          pad=rec.pad)
+        if rec.sp_group is not None:  # the gathered input's gradient: reduce-scatter over the sequence
+            grad_x = reduce_scatter_rows(grad_x, rec.sp_group)
+        grad_x = grad_x.reshape(rec.x_shape)
+    del qg, w_saved
+    if needs_input_grad[1]:
+        if fp8_wgrad:
+            x_dtype, w_dtype, pad = rec.x_dtype, rec.w_dtype, rec.pad or qg_t._data.shape[1] % 16 != 0
+
+            def compute_wgrad():
+                return fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, x_dtype), out_dtype=w_dtype,
+                                pad=pad)
+        else:
+            w_dtype = rec.w_dtype
+
+            def compute_wgrad():
+                return (g2.t().float() @ hp_x.float()).to(w_dtype)
+        if rec.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute: run by backward_dw()
+            rec.wgrad_store.put(compute_wgrad, g2.device.type)
+        else:
+            grad_w = compute_wgrad()
+        del compute_wgrad
+    if rec.has_bias and needs_input_grad[2]:
+        grad_b = g2.sum(0).to(rec.w_dtype)
+    _backward_done(plan)
+    return grad_x, grad_w, grad_b
+
+
+def backward_outside_autocast(fn: Callable[[], Any], device_type: str) -> Any:
+    """`fn()` outside any torch.autocast region the caller runs backward in (torch's autocast would otherwise
+    recast ops of the FP8 path), as TransformerEngine's kernels are."""
+    if not torch.is_autocast_enabled(device_type):  # the usual case: no context manager per call
+        return fn()
+    with torch.autocast(device_type, enabled=False):
+        return fn()
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group, wgrad_store):
-        fmt = plan.recipe.fp8_format
-        x2 = x.reshape(-1, x.shape[-1])
-        fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
-        ctx.sp_group = sp_group
-        out_shape = x.shape[:-1]
-        if sp_group is None:
-            qx, x_saved = _input_operand(x, x2, plan, fp8_wgrad)
-        else:
-            # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
-            slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
-            scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1]
-            qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
-            x_saved = [qx.transpose_2d()._data if fp8_wgrad else None, None, None]
-            out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
-        ctx.pad = features_unaligned(weight)
+        qx, to_save, out_shape = linear_operands(ctx, x, weight, qweight, state, plan, wgrad_in_fp8,
+                                                 bias is not None, sp_group, wgrad_store)
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True,
                      pad=ctx.pad)
-        qx_sinv = qx._scale_inv
         del qx  # the row-major FP8 input is not needed past fprop
-        ctx.wgrad_in_fp8 = wgrad_in_fp8
-        hp_x = x2.detach() if not wgrad_in_fp8 and weight.requires_grad else None  # megatron's fp8_wgrad=False
-        w_saved, ctx.cached_weight = ([None] * 4, None)
-        if x.requires_grad:
-            w_saved, ctx.cached_weight = _weight_operand(weight, qweight, state, plan)
-        ctx.save_for_backward(*x_saved, qx_sinv, *w_saved, hp_x)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        ctx.state, ctx.plan, ctx.wgrad_store = state, plan, wgrad_store
+        ctx.save_for_backward(*to_save)
         return y.reshape(*out_shape, y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        # independent of an autocast region the caller runs backward in (torch's autocast would otherwise
-        # recast ops of the FP8 path), as TransformerEngine's kernels are
-        device_type = grad_out.device.type
-        if not torch.is_autocast_enabled(device_type):  # the usual case: no context manager per call
-            return _FP8Linear._backward(ctx, grad_out)
-        with torch.autocast(device_type, enabled=False):
-            return _FP8Linear._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        x_saved, qx_sinv, w_saved, hp_x = saved[0:3], saved[3], saved[4:8], saved[8]
-        del saved
-        plan = ctx.plan
-        fmt = plan.recipe.fp8_format
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        delayed = not isinstance(plan.recipe, CurrentScaling)
-        fp8_wgrad = ctx.wgrad_in_fp8 and ctx.needs_input_grad[1]
-        qg = _cast(g2, plan.recipe, ctx.state.bwd.scale if delayed else None, _backward_slot(plan, ctx.state),
-                   fmt.backward_dtype, with_transpose=fp8_wgrad)
-        qg_t = qg.transpose_2d(update_cache=False) if fp8_wgrad else None
-        grad_x = grad_w = grad_b = None
-        # dgrad first; its operands (the row-major grad cast, the weight's transpose) are released before the
-        # wgrad GEMM allocates the weight gradient, so the two sets never coexist (lower peak memory)
-        if ctx.needs_input_grad[0]:
-            grad_x = fp8_gemm(qg, _weight_transposed(w_saved, ctx.cached_weight, plan, ctx.w_dtype), out_dtype=ctx.x_dtype,
-                              pad=ctx.pad)
-            if ctx.sp_group is not None:  # the gathered input's gradient: reduce-scatter over the sequence
-                grad_x = reduce_scatter_rows(grad_x, ctx.sp_group)
-            grad_x = grad_x.reshape(ctx.x_shape)
-        del qg, w_saved
-        if ctx.needs_input_grad[1]:
-            if fp8_wgrad:
-                x_dtype, w_dtype, pad = ctx.x_dtype, ctx.w_dtype, ctx.pad or qg_t._data.shape[1] % 16 != 0
-
-                def compute_wgrad():
-                    return fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, x_dtype), out_dtype=w_dtype,
-                                    pad=pad)
-            else:
-                w_dtype = ctx.w_dtype
-
-                def compute_wgrad():
-                    return (g2.t().float() @ hp_x.float()).to(w_dtype)
-            if ctx.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute: run by backward_dw()
-                ctx.wgrad_store.put(compute_wgrad, g2.device.type)
-            else:
-                grad_w = compute_wgrad()
-            del compute_wgrad
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(ctx.w_dtype)
-        _backward_done(plan)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        grads = backward_outside_autocast(
+            lambda: linear_backward(ctx, ctx.saved_tensors, grad_out, ctx.needs_input_grad), grad_out.device.type)
+        return (*grads, None, None, None, None, None, None)
 
 
 def fp8_linear(

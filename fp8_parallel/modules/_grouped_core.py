@@ -5,14 +5,31 @@ One FP8 state per GEMM; expert `i` runs `fp8_linear` on the i-th block of rows. 
 also with no rows (its input and grad_output amaxes are then 0, which leaves their histories unrolled), so the
 amax slots a module registers depend on the model only, never on routing: all ranks of an amax domain
 register the same slots in the same order whatever tokens each expert got.
+
+Grouped GEMM. Where torch's grouped FP8 GEMM runs (`torch._scaled_grouped_mm`: CUDA compute capability 9.0 or
+10.0, E4M3 operands, bfloat16 output), the experts' forward GEMMs are one grouped GEMM: each expert's input is
+cast with its own scale into its rows of one FP8 buffer, the experts' FP8 weights are stacked, and the
+per-tensor scales become the GEMM's row-wise scales (one per token row, one per expert output feature). The
+backward stays per expert: its gradient operands are E5M2 under the HYBRID format, which the grouped GEMM
+does not take. Calls the grouped GEMM cannot serve (biases, layers whose features are not multiples of 16,
+other input dtypes, delayed weight gradients, checkpointed regions, FP8 weights) run the per-expert GEMMs.
+Which path runs never depends on routing, so the slot layout is the same on every rank.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import functools
+import types
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import FP8State, fp8_linear
+from ..scopes import current_scope
+from ..tensor import Float8Tensor
+from ._core import (SAVED_PER_LINEAR, FP8State, _plan, _settle_backward, backward_outside_autocast, cast_weight,
+                    features_unaligned, fp8_linear, linear_backward, linear_operands)
+from ._recompute import checkpoint_region
+
+GROUPED_GEMM = True  # the experts' forward as one grouped FP8 GEMM where it applies (False: per-expert GEMMs)
 
 
 def expert_states(num_gemms: int, tag: str, device: Optional[torch.device],
@@ -60,6 +77,119 @@ def grouped_fp8_linear(
     `wgrad_stores[i]` delays expert `i`'s weight gradient (see `fp8_linear`).
     """
     stores = list(wgrad_stores) if wgrad_stores is not None else [None] * len(weights)
+    if _grouped_gemm_applies(x, weights, biases, stores):
+        return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
             for chunk, w, b, st, store in zip(torch.split(x, list(splits), dim=0), weights, biases, states, stores)]
     return torch.cat(outs, dim=0)
+
+
+def device_has_grouped_gemm(device: torch.device) -> bool:
+    """Whether torch's grouped FP8 GEMM runs on `device` (CUDA, compute capability 9.0 or 10.0)."""
+    return device.type == "cuda" and _cuda_has_grouped_gemm(device.index if device.index is not None
+                                                             else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_has_grouped_gemm(index: int) -> bool:
+    return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(index) in ((9, 0), (10, 0))
+
+
+def _grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                          stores: Sequence[Any]) -> bool:
+    """Whether this call's forward runs as one grouped GEMM (see the module docstring). Depends on the model,
+    the input's dtype and device and the FP8 scope, never on routing."""
+    if not (GROUPED_GEMM and x.dtype == torch.bfloat16 and device_has_grouped_gemm(x.device)):
+        return False
+    if any(b is not None for b in biases) or any(s is not None for s in stores):
+        return False
+    if any(isinstance(w, Float8Tensor) or features_unaligned(w) for w in weights):
+        return False
+    scope = current_scope()
+    return scope is not None and scope.enabled and checkpoint_region() is None  # forward operands: E4M3
+
+
+def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[torch.Tensor],
+                         states: Sequence[FP8State], is_first_microbatch: Optional[bool],
+                         wgrad_in_fp8: bool) -> torch.Tensor:
+    """The experts' FP8 linears with one grouped forward GEMM; the same plans, casts, amax slots and backward
+    as the per-expert calls."""
+    plans = [_plan(state) for state in states]
+    qweights = [cast_weight(w, state, plan, is_first_microbatch) for w, state, plan in zip(weights, states, plans)]
+    chunks = torch.split(x, splits, dim=0)
+    out = _GroupedFP8Linear.apply((splits, qweights, states, plans, wgrad_in_fp8), *chunks, *weights)
+    for plan in plans:
+        _settle_backward(plan, out)
+    return out
+
+
+def grouped_gemm(qxs: Sequence[Float8Tensor], a: torch.Tensor, qweights: Sequence[Float8Tensor],
+                 splits: Sequence[int]) -> torch.Tensor:
+    """`[sum(splits), N]` bfloat16: rows of expert `i` times its weight, as one `torch._scaled_grouped_mm`.
+
+    `a`: the experts' FP8 inputs stacked by rows (`qxs[i]` holds expert i's rows and its scale_inv);
+    `qweights[i]`: expert i's FP8 weight `[N, K]`. The per-tensor scales become row-wise scales: each row's
+    input scale_inv and each expert's weight scale_inv per output feature."""
+    n = qweights[0].shape[0]
+    rows = a.shape[0]
+    if rows == 0:
+        return torch.zeros((0, n), dtype=torch.bfloat16, device=a.device)
+    b = torch.stack([q._data for q in qweights]).transpose(1, 2)  # [E, K, N], column-major
+    row_scale = torch.cat([q._scale_inv.reshape(1).expand(m) for q, m in zip(qxs, splits)])
+    col_scale = torch.stack([q._scale_inv.reshape(()) for q in qweights]).unsqueeze(1).expand(len(qweights), n)
+    ends = torch.tensor(list(_cumulative(splits)), dtype=torch.int32).to(a.device, non_blocking=True)
+    return torch._scaled_grouped_mm(a, b, row_scale, col_scale.contiguous(), offs=ends, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+
+
+def _cumulative(splits: Sequence[int]):
+    total = 0
+    for m in splits:
+        total += m
+        yield total
+
+
+class _GroupedFP8Linear(torch.autograd.Function):
+    """Experts' FP8 linears over row blocks (inputs: the blocks, then the weights): one grouped forward GEMM,
+    per-expert backward (`linear_backward`, as `fp8_linear`'s)."""
+
+    @staticmethod
+    def forward(ctx, meta: Tuple, *tensors: torch.Tensor) -> torch.Tensor:
+        splits, qweights, states, plans, wgrad_in_fp8 = meta
+        n = len(splits)
+        chunks, weights = tensors[:n], tensors[n:]
+        first = chunks[0]
+        fp8_dtype = plans[0].recipe.fp8_format.forward_dtype
+        a = torch.empty((sum(splits), first.shape[-1]), dtype=fp8_dtype, device=first.device)
+        records, saved, qxs, start = [], [], [], 0
+        for chunk, w, qw, state, plan, m in zip(chunks, weights, qweights, states, plans, splits):
+            record = types.SimpleNamespace()
+            out = Float8Tensor(a[start : start + m], torch.empty((), dtype=torch.float32, device=a.device), chunk.dtype)
+            qx, to_save, _ = linear_operands(record, chunk, w, qw, state, plan, wgrad_in_fp8, False, qx_out=out)
+            records.append(record)
+            saved.extend(to_save)
+            qxs.append(qx)
+            start += m
+        y = grouped_gemm(qxs, a, qweights, splits)
+        del a, qxs
+        ctx.save_for_backward(*saved)
+        ctx.records, ctx.splits = records, splits
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        n = len(ctx.splits)
+        return backward_outside_autocast(lambda: _GroupedFP8Linear._backward(ctx, grad_out, n), grad_out.device.type)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor, n: int):
+        saved = ctx.saved_tensors
+        grads_out = torch.split(grad_out, ctx.splits, dim=0)
+        grad_x: List[Optional[torch.Tensor]] = [None] * n
+        grad_w: List[Optional[torch.Tensor]] = [None] * n
+        # the last expert first, as autograd runs the per-expert calls' nodes (newest first)
+        for i in reversed(range(n)):
+            needs = (ctx.needs_input_grad[1 + i], ctx.needs_input_grad[1 + n + i], False)
+            mine = saved[i * SAVED_PER_LINEAR : (i + 1) * SAVED_PER_LINEAR]
+            grad_x[i], grad_w[i], _ = linear_backward(ctx.records[i], mine, grads_out[i], needs)
+        return (None, *grad_x, *grad_w)

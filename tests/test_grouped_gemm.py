@@ -1,0 +1,176 @@
+"""The experts' forward as one grouped FP8 GEMM (`modules/_grouped_core.py`) against the per-expert GEMMs.
+
+On the GPU (torch's `_scaled_grouped_mm`, compute capability 9.0 / 10.0) the two paths must agree: the
+output within the grouped GEMM's rounding (row-wise scales multiply the fp32 accumulator in another order
+than the per-tensor scale: at most a few bfloat16 ulps, checked as 2e-2 relative per element and 5e-3
+relative Frobenius), every gradient and the whole FP8 state bit for bit (the backward is the same per-expert
+code, fed the same grad_output), and both within FP8's tolerance of a float64 reference. On CPU, where torch
+has no grouped FP8 GEMM, the same comparison runs with the GEMM emulated in float32, which checks the
+plumbing (casts into one buffer, scales, splits, records, backward order, amax slots). Splits have an empty
+expert and sizes that are not multiples of 16. Every test prints its seed; FP8P_TEST_SEED reproduces it.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+
+import fp8_parallel as te
+from fp8_parallel import recipe
+from fp8_parallel.modules import _grouped_core
+from te_testing import rel_error as _rel, seed_for as _seed
+
+IN, OUT = 64, 48
+SPLITS = [37, 0, 90, 5]  # an expert without rows; sizes not multiples of 16
+RECIPES = {
+    "delayed-hybrid": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4),
+    "delayed-e4m3": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_history_len=4),
+    "current-hybrid": recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID),
+}
+FP8_FWD_TOL, FP8_BWD_TOL = 0.08, 0.12
+
+
+def _emulated_grouped_mm(calls: List[int]):
+    """torch._scaled_grouped_mm's 2d x 3d case in float32 (CPU tests): rows `offs[g-1]:offs[g]` times group g."""
+
+    def grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == 1 and b.stride(1) == 1
+        assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+        assert offs.dtype == torch.int32 and out_dtype == torch.bfloat16
+        calls.append(len(offs))
+        out, start = torch.empty((a.shape[0], b.shape[2]), dtype=torch.float32), 0
+        for g, end in enumerate(offs.tolist()):
+            rows = a[start:end].float() * scale_a[start:end, None]
+            out[start:end] = rows @ (b[g].float() * scale_b[g][None, :])
+            start = end
+        return out.to(out_dtype)
+
+    return grouped_mm
+
+
+def _module(gen: torch.Generator, device: str, **kwargs) -> te.GroupedLinear:
+    lin = te.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device=device, params_dtype=torch.bfloat16, **kwargs)
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * IN**-0.5)
+    return lin
+
+
+def _twins(seed: int, device: str):
+    """Two modules with the same weights: one for the grouped path, one for the per-expert path."""
+    a, b = _module(torch.Generator().manual_seed(seed), device), _module(torch.Generator().manual_seed(seed), device)
+    return a, b
+
+
+def _run(lin, x, dy, rname, grouped: bool, monkeypatch, is_first_microbatch=None):
+    monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", grouped)
+    x = x.clone().requires_grad_()
+    with te.autocast(enabled=True, recipe=RECIPES[rname]):
+        y = lin(x, SPLITS, is_first_microbatch=is_first_microbatch)
+    y.backward(dy)
+    return y, x.grad
+
+
+def _compare(rname: str, device: str, monkeypatch, calls: List[int], steps: int = 3) -> None:
+    seed = _seed(f"grouped-vs-per-expert/{rname}/{device}")
+    gen = torch.Generator().manual_seed(seed)
+    grouped, per_expert = _twins(seed, device)
+    rows = sum(SPLITS)
+    for step in range(steps):
+        where = f"step {step} (seed {seed})"
+        x = (torch.randn(rows, IN, generator=gen) * 2).to(device=device, dtype=torch.bfloat16)
+        dy = torch.randn(rows, OUT, generator=gen).to(device=device, dtype=torch.bfloat16)
+        before = len(calls)
+        first = (step == 0) if step < 2 else None  # weight caching, then a cast per call
+        ya, gxa = _run(grouped, x, dy, rname, True, monkeypatch, first)
+        assert len(calls) == before + 1, f"the grouped GEMM did not run {where}"
+        yb, gxb = _run(per_expert, x, dy, rname, False, monkeypatch, first)
+        assert len(calls) == before + 1, f"the per-expert path ran the grouped GEMM {where}"
+        assert ya.shape == yb.shape == (rows, OUT) and ya.dtype == torch.bfloat16
+        assert _rel(ya, yb) < 5e-3, f"output {_rel(ya, yb):.2e} from the per-expert path {where}"
+        torch.testing.assert_close(ya, yb, rtol=2e-2, atol=2e-2 * yb.abs().max().item(), msg=where)
+        assert torch.equal(gxa, gxb), f"input grad differs {where}"
+        for i in range(len(SPLITS)):
+            wa, wb = getattr(grouped, f"weight{i}"), getattr(per_expert, f"weight{i}")
+            assert torch.equal(wa.grad, wb.grad), f"weight{i} grad differs {where}"
+            if SPLITS[i] == 0:
+                assert torch.equal(wa.grad, torch.zeros_like(wa.grad)), f"weight{i} (no rows) {where}"
+            wa.grad = wb.grad = None
+        # against float64: FP8's tolerance
+        x64 = x.double().requires_grad_()
+        ws = [getattr(per_expert, f"weight{i}").detach().double().requires_grad_() for i in range(len(SPLITS))]
+        y64 = torch.cat([xi @ w.t() for xi, w in zip(torch.split(x64, SPLITS), ws)])
+        y64.backward(dy.double())
+        assert _rel(ya, y64) < FP8_FWD_TOL, f"output {_rel(ya, y64):.2e} from float64 {where}"
+        assert _rel(ya, y64) > 1e-3, f"output within {_rel(ya, y64):.1e} of float64: not FP8? {where}"
+        assert _rel(gxa, x64.grad) < FP8_BWD_TOL, f"input grad {_rel(gxa, x64.grad):.2e} from float64 {where}"
+    for i in range(len(SPLITS)):
+        sa, sb = grouped.fp8[i].state_dict(), per_expert.fp8[i].state_dict()
+        for k in sb:
+            assert torch.equal(sa[k], sb[k]), f"fp8[{i}].{k} differs (seed {seed})"
+    if rname.startswith("delayed"):  # amaxes were recorded (the state is not trivially equal)
+        assert (grouped.fp8[0].fwd.amax_history[:, 0] > 0).all() and (grouped.fp8[0].bwd.amax_history[:, 0] > 0).all()
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_grouped_path_matches_per_expert_path_emulated(rname, monkeypatch):
+    """CPU, the grouped GEMM emulated: the plumbing around it equals the per-expert path."""
+    calls: List[int] = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    _compare(rname, "cpu", monkeypatch, calls)
+
+
+def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
+    """Biases, a float32 input, delayed weight gradients, FP8 off and checkpointed regions take the
+    per-expert GEMMs; a no_grad call takes the grouped one and its output equals a grad call's."""
+    calls: List[int] = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    seed = _seed("grouped-skipped")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(SPLITS), IN, generator=gen).to(torch.bfloat16)
+    delayed = RECIPES["delayed-hybrid"]
+
+    def calls_of(lin, inp, rec=delayed, enabled=True, wrap=lambda f: f()):
+        before = len(calls)
+        with te.autocast(enabled=enabled, recipe=rec):
+            wrap(lambda: lin(inp, SPLITS))
+        return len(calls) - before
+
+    plain = _module(gen, "cpu")
+    assert calls_of(plain, x) == 1, f"seed {seed}"
+    current = RECIPES["current-hybrid"]  # scales from the input: a no_grad call must repeat the grad call
+    with te.autocast(enabled=True, recipe=current):
+        y_grad = plain(x.clone().requires_grad_(), SPLITS)
+    with torch.no_grad():
+        assert calls_of(plain, x) == 1
+        with te.autocast(enabled=True, recipe=current):
+            y_no_grad = plain(x, SPLITS)
+    assert torch.equal(y_grad, y_no_grad) and not y_no_grad.requires_grad, f"seed {seed}"
+    biased = te.GroupedLinear(len(SPLITS), IN, OUT, bias=True, device="cpu", params_dtype=torch.bfloat16)
+    assert calls_of(biased, x) == 0
+    assert calls_of(plain, x.float()) == 0
+    assert calls_of(_module(gen, "cpu", delay_wgrad_compute=True), x) == 0
+    assert calls_of(plain, x, enabled=False) == 0
+    xr = x.clone().requires_grad_()
+    checkpointed = lambda f: torch.utils.checkpoint.checkpoint(f, use_reentrant=False)
+    assert calls_of(plain, xr, wrap=checkpointed) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_gpu_grouped_gemm_matches_per_expert_gemms(rname, monkeypatch):
+    """The real grouped GEMM on the GPU against the per-expert GEMMs and float64."""
+    if not _grouped_core.device_has_grouped_gemm(torch.device("cuda")):
+        pytest.skip("torch._scaled_grouped_mm does not run on this GPU (needs compute capability 9.0 or 10.0)")
+    calls: List[int] = []
+    real = torch._scaled_grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", counting)
+    _compare(rname, "cuda", monkeypatch, calls)

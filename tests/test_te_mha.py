@@ -35,6 +35,10 @@ def _scope(name: str):
 # is the forward's rounding. Over 600 seeds (delayed and current): median 0.10, 99th percentile 0.28, worst
 # 0.38; one seed (35087) 0.43. High precision checks these gradients to 1e-5.
 QK_NORM_FP8_TOL = 0.75
+# The same in high precision with bfloat16 parameters, from bfloat16's rounding: over 1000 CPU seeds of
+# "self/rotary/qknorm/return", median 0.0097, 99th percentile 0.025, worst 0.042 (seed 937); the other
+# gradients stay under 0.015. An H200 run gave 0.026 (seed 96096) against the general 0.02.
+QK_NORM_BF16_TOL = 0.08
 
 
 def _tolerances(rname: str, dtype: torch.dtype):
@@ -313,8 +317,13 @@ def run_mha_case(name: str, cfg: dict, rname: str, dtype: torch.dtype, seed: int
             scale = P[n.replace("key_bias", "value_bias")].grad.norm()
             errors[f"d{n}"] = (((grad.double() - P[n].grad).norm() / scale).item(), bwd_tol)
             continue
-        qk_gain = rname != "hp" and n.split(".")[0] in ("q_norm", "k_norm")
-        errors[f"d{n}"] = (_rel(grad, P[n].grad), QK_NORM_FP8_TOL if qk_gain else bwd_tol)
+        tol = bwd_tol
+        if n.split(".")[0] in ("q_norm", "k_norm"):  # gains of a norm over one head: see QK_NORM_*_TOL
+            if rname != "hp":
+                tol = QK_NORM_FP8_TOL
+            elif dtype != torch.float32:
+                tol = QK_NORM_BF16_TOL
+        errors[f"d{n}"] = (_rel(grad, P[n].grad), tol)
     bad = {k: v for k, v in errors.items() if not v[0] < v[1]}
     assert not bad, f"{name}/{rname}/{dtype}: over tolerance {bad}"
     return errors
@@ -328,7 +337,8 @@ def test_mha_matches_float64_reference(name, rname):
 
 
 @pytest.mark.parametrize("rname", list(RECIPES))
-@pytest.mark.parametrize("name", ["self/ln/fused/interleaved/gqa/rmsnorm/zc", "cross/unfused/gqa"])
+@pytest.mark.parametrize("name", ["self/ln/fused/interleaved/gqa/rmsnorm/zc", "cross/unfused/gqa",
+                                  "self/rotary/qknorm/return"])
 def test_mha_bfloat16_parameters(name, rname):
     seed = _seed(f"mha/bf16/{name}/{rname}")
     run_mha_case(name, CONFIGS[name], rname, torch.bfloat16, seed)

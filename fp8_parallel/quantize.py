@@ -7,7 +7,8 @@ values. The amax of a tensor holding NaN is recorded as +inf
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -141,3 +142,68 @@ def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
         t._data.copy_(cast_to_fp8(x2.detach(), scale.reshape(()).float(), fp8_dtype).t())
         t._scale_inv.copy_(scale.reshape(()).float().reciprocal())
     return t
+
+
+@dataclasses.dataclass
+class RowBlocks:
+    """FP8 casts of consecutive row blocks of one `[M, N]` tensor, block `e` with its own scale (see
+    `quantize_row_blocks`): `data [M, N]`, the blocks' transposes in one flat buffer (block e's `[N, rows_e]`
+    from element `N * start_e`), `sinv [E]` (1 / scale per block), `row_sinv [M]` (each row's block's), and the
+    device table `[3, E]` (scale addresses, amax slot addresses, row ends) the fused kernel read."""
+
+    data: torch.Tensor
+    transposes: Optional[torch.Tensor]
+    sinv: torch.Tensor
+    row_sinv: torch.Tensor
+    table: torch.Tensor
+    starts: List[int]
+    rows: List[int]
+    dtype: torch.dtype
+
+    def block(self, e: int) -> Float8Tensor:
+        """Block `e` as a Float8Tensor (a view of `data`, its scale_inv a view of `sinv`)."""
+        s, m = self.starts[e], self.rows[e]
+        return Float8Tensor(self.data[s : s + m], self.sinv[e], self.dtype)
+
+    def block_transposed(self, e: int) -> Float8Tensor:
+        """Block `e`'s transpose `[N, rows_e]` (a view of `transposes`)."""
+        n = self.data.shape[1]
+        s, m = self.starts[e], self.rows[e]
+        return Float8Tensor(self.transposes[n * s : n * (s + m)].view(n, m), self.sinv[e], self.dtype)
+
+
+def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
+                        amax_slots: Sequence[torch.Tensor], fp8_dtype: torch.dtype, with_transpose: bool,
+                        force_torch: bool = False) -> RowBlocks:
+    """Cast the row blocks of `x: [M, N]` (`splits` rows each, in order) to FP8, block `e` with `scales[e]`
+    (one element) into `amax_slots[e]`, in one pass: on CUDA one fused kernel for all blocks (16-bit inputs),
+    elsewhere `quantize` per block; the same bytes either way."""
+    x2 = x.detach()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape
+    device = x2.device
+    starts, total = [], 0
+    for m in splits:
+        starts.append(total)
+        total += m
+    data = torch.empty((M, N), dtype=fp8_dtype, device=device)
+    transposes = torch.empty(M * N, dtype=fp8_dtype, device=device) if with_transpose else None
+    sinv = torch.empty(len(splits), dtype=torch.float32, device=device)
+    row_sinv = torch.empty(M, dtype=torch.float32, device=device)
+    table = torch.tensor([[s.data_ptr() for s in scales], [a.data_ptr() for a in amax_slots],
+                          [s + m for s, m in zip(starts, splits)]], dtype=torch.int64).to(device, non_blocking=True)
+    blocks = RowBlocks(data, transposes, sinv, row_sinv, table, starts, list(splits), x.dtype)
+    if not force_torch and x2.element_size() == 2 and _use_triton(x2) and M > 0:
+        from .triton_kernels import quantize_blocks_2d
+
+        quantize_blocks_2d(x2, table, data, transposes, sinv, row_sinv)
+        return blocks
+    for e, (start, m) in enumerate(zip(starts, splits)):
+        out = blocks.block(e)
+        if with_transpose:
+            out._transpose_cache.buffer = blocks.block_transposed(e)._data
+        quantize(x2[start : start + m], scales[e], fp8_dtype, amax_out=amax_slots[e], out=out,
+                 with_transpose=with_transpose, force_torch=True)
+        row_sinv[start : start + m] = sinv[e]
+    return blocks

@@ -147,6 +147,47 @@ def _quantize_then_transpose(x2, scale, out, transpose, amax_out, noop_flag, wit
 if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
 
     @triton.jit
+    def _quantize_blocks_kernel(
+        x_ptr, data_ptr, t_ptr, table_ptr, sinv_ptr, row_sinv_ptr,
+        M, N, stride_xm, fp8_max,
+        E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WITH_T: tl.constexpr,
+    ):
+        """The fused cast of consecutive row blocks of x, block e with its own scale and amax slot.
+
+        `table_ptr`: int64 `[3, E]`: the blocks' scale addresses, amax slot addresses, and row ends. Block e's
+        transpose `[N, rows_e]` is stored at `t_ptr + N * start_e`; `row_sinv[r]` gets 1 / scale of r's block;
+        `sinv[e]` 1 / scale_e."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_m < M
+        block = tl.zeros([BLOCK_M], dtype=tl.int64)
+        for j in tl.static_range(E):
+            block += (offs_m >= tl.load(table_ptr + 2 * E + j)).to(tl.int64)
+        block = tl.minimum(block, E - 1)
+        end = tl.load(table_ptr + 2 * E + block)
+        start = tl.load(table_ptr + 2 * E + block - 1, mask=block > 0, other=0)
+        scale = tl.load(tl.load(table_ptr + block).to(tl.pointer_type(tl.float32)))
+        mask = row_ok[:, None] & (offs_n[None, :] < N)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.clamp(x * scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        y8 = y.to(data_ptr.dtype.element_ty)
+        tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
+        if WITH_T:  # element (r, c) of block e at N * start_e + c * rows_e + (r - start_e)
+            t_off = start[:, None] * N + offs_n[None, :].to(tl.int64) * (end - start)[:, None] + (offs_m - start)[:, None]
+            tl.store(t_ptr + t_off, y8, mask=mask)
+        ax = tl.abs(x)
+        ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite
+        amax_ptr = tl.load(table_ptr + E + block).to(tl.pointer_type(tl.float32))
+        tl.atomic_max(amax_ptr, tl.max(ax, axis=1), mask=row_ok)
+        if pid_n == 0:  # IEEE division, as `quantize`
+            tl.store(row_sinv_ptr + offs_m, tl.math.div_rn(1.0, scale), mask=row_ok)
+        if (pid_m == 0) & (pid_n == 0):
+            for j in tl.static_range(E):
+                tl.store(sinv_ptr + j, tl.math.div_rn(1.0, tl.load(tl.load(table_ptr + j).to(tl.pointer_type(tl.float32)))))
+
+    @triton.jit
     def _amax_update_kernel(
         amax_ptr, hist_addr_ptr, scale_addr_ptr, count_addr_ptr,
         L, fp8_max, margin_div, float32_max,
@@ -176,6 +217,25 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         tl.store(count_ptr, tl.load(count_ptr) + nonfinite.to(tl.int64))
 
 
+def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor, transposes: Optional[torch.Tensor],
+                       sinv: torch.Tensor, row_sinv: torch.Tensor) -> None:
+    """`_quantize_blocks_kernel` over `x2: [M, N]` (16-bit, last dimension contiguous); `table` as the kernel
+    says, on the device; `transposes`: a flat buffer of M * N elements, or None."""
+    from .recipe import fp8_max
+
+    M, N = x2.shape
+    E = table.shape[-1]
+    block_m, block_n = 64, 128
+    grid = (-(-M // block_m), -(-N // block_n))
+    _QUANTIZE_BLOCKS(
+        grid,
+        (x2, data, transposes if transposes is not None else data, table, sinv, row_sinv, M, N, x2.stride(0),
+         fp8_max(data.dtype)),
+        (E, block_m, block_n, transposes is not None),
+        num_warps=4,
+    )
+
+
 def amax_update(amax: torch.Tensor, addresses: torch.Tensor, history_len: int, fp8_max: float, margin: int,
                 most_recent: bool) -> None:
     """Fused delayed-scaling update. `addresses` is `[3, n]` int64: history row, scale and counter addresses."""
@@ -192,3 +252,4 @@ def amax_update(amax: torch.Tensor, addresses: torch.Tensor, history_len: int, f
 if AVAILABLE:
     _QUANTIZE = _Launcher(_quantize_kernel)
     _AMAX_UPDATE = _Launcher(_amax_update_kernel)
+    _QUANTIZE_BLOCKS = _Launcher(_quantize_blocks_kernel)

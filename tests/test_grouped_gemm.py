@@ -174,3 +174,36 @@ def test_gpu_grouped_gemm_matches_per_expert_gemms(rname, monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", counting)
     _compare(rname, "cuda", monkeypatch, calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_gpu_fused_row_block_cast_equals_per_block_casts(fp8_dtype):
+    """One launch for all blocks (`quantize_row_blocks` on CUDA) writes the bytes, transposes, amaxes and
+    scale_invs that `quantize` per block writes: empty blocks, sizes not multiples of the tiles, a NaN, a
+    non-contiguous input; bfloat16 and float16."""
+    from fp8_parallel.quantize import quantize_row_blocks
+
+    seed = _seed(f"row-block-cast/{fp8_dtype}")
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float16):
+        for splits, n in (([37, 0, 90, 5, 1], 48), ([0, 300], 256), ([3, 0, 0], 16), ([130, 7, 64, 64], 200)):
+            rows = sum(splits)
+            x = (torch.randn(rows, 2 * n, generator=gen) * 4).to(device="cuda", dtype=dtype)[:, ::2]  # strided
+            if rows > 3:
+                x[3, 1] = float("nan")
+            scales = [torch.rand(1, generator=gen).cuda() * 4 + 0.1 for _ in splits]
+            slots = [torch.rand(2, generator=gen).cuda() for _ in splits]  # a slot keeps max(old, new)
+            ref_slots = [s.clone() for s in slots]
+            got = quantize_row_blocks(x, splits, scales, [s[:1] for s in slots], fp8_dtype, True)
+            ref = quantize_row_blocks(x, splits, scales, [s[:1] for s in ref_slots], fp8_dtype, True, force_torch=True)
+            where = f"{dtype} splits {splits} n {n} (seed {seed})"
+            for name in ("data", "transposes"):
+                a, b = getattr(got, name), getattr(ref, name)
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} differs, {where}"
+            assert torch.equal(got.sinv, ref.sinv) and torch.equal(got.row_sinv, ref.row_sinv), where
+            for s, r in zip(slots, ref_slots):
+                assert torch.equal(s, r), f"amax slots differ {where}"
+            if rows > 3:
+                nan_block = next(e for e, end in enumerate(_grouped_core._cumulative(splits)) if end > 3)
+                assert slots[nan_block][0].item() == float("inf"), f"a NaN's amax is recorded as +inf {where}"

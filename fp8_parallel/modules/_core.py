@@ -244,9 +244,9 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
     return state.weight_fp8
 
 
-def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool, out: Optional[Float8Tensor] = None):
-    """Cast a (non-sequence-parallel) input for fprop (into `out` when given). Returns the FP8 input and what
-    backward needs for the wgrad operand, `[qx_t, x_ref, x_scale]` (see `_input_transposed`).
+def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool):
+    """Cast a (non-sequence-parallel) input for fprop. Returns the FP8 input and what backward needs for the
+    wgrad operand, `[qx_t, x_ref, x_scale]` (see `_input_transposed`).
 
     A `leaf` input (no autograd history: a batch, a pipeline stage's received activation, a graph's static
     input) stays alive anyway: it is kept by reference and its transpose re-cast in backward with the
@@ -257,9 +257,9 @@ def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool, out: Optiona
     slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
     if fp8_wgrad and leaf:
         x_scale = _input_scale(x2, plan, fmt.forward_dtype)
-        return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype, out=out), [None, x, x_scale]
+        return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype), [None, x, x_scale]
     scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
-    qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, out=out, with_transpose=fp8_wgrad)
+    qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
     return qx, [qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None, None, None]
 
 
@@ -339,19 +339,20 @@ def features_unaligned(weight: torch.Tensor) -> bool:
 
 
 def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan: _Plan, wgrad_in_fp8: bool,
-                    has_bias: bool, sp_group=None, wgrad_store=None, leaf: Optional[bool] = None,
-                    qx_out: Optional[Float8Tensor] = None):
+                    has_bias: bool, sp_group=None, wgrad_store=None, input_cast=None):
     """The FP8 input of one linear's fprop, and what its backward needs: sets `rec`'s attributes (an autograd
     ctx, or a record of one expert of a grouped call) and returns `(qx, tensors to save, out_shape)`; the
-    saved tensors, in order, are what `linear_backward` takes. `leaf`: whether `x` has no autograd history
-    (default: from `x`); `qx_out`: cast the input into it (no sequence parallelism)."""
+    saved tensors, in order, are what `linear_backward` takes. `input_cast`: `(qx, its transpose's data or
+    None)`, the input already cast (no sequence parallelism)."""
     fmt = plan.recipe.fp8_format
     x2 = x.reshape(-1, x.shape[-1])
     fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
     rec.sp_group = sp_group
     out_shape = x.shape[:-1]
-    if sp_group is None:
-        qx, x_saved = _input_operand(x, x2, plan, fp8_wgrad, x.grad_fn is None if leaf is None else leaf, qx_out)
+    if input_cast is not None:
+        qx, x_saved = input_cast[0], [input_cast[1] if fp8_wgrad else None, None, None]
+    elif sp_group is None:
+        qx, x_saved = _input_operand(x, x2, plan, fp8_wgrad, x.grad_fn is None)
     else:
         # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
         slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
@@ -374,9 +375,10 @@ def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan
 SAVED_PER_LINEAR = 9  # tensors `linear_operands` returns for saving, per linear
 
 
-def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad):
+def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad, grad_cast=None):
     """One FP8 linear's backward from `linear_operands`' record and saved tensors: `(grad_x, grad_w,
-    grad_b)` for `needs_input_grad` (x, weight, bias)."""
+    grad_b)` for `needs_input_grad` (x, weight, bias). `grad_cast`: `(qg, its transpose or None)`, grad_out
+    already cast (its amax recorded)."""
     x_saved, qx_sinv, w_saved, hp_x = saved[0:3], saved[3], saved[4:8], saved[8]
     del saved
     plan = rec.plan
@@ -384,9 +386,12 @@ def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad):
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     delayed = not isinstance(plan.recipe, CurrentScaling)
     fp8_wgrad = rec.wgrad_in_fp8 and needs_input_grad[1]
-    qg = _cast(g2, plan.recipe, rec.state.bwd.scale if delayed else None, _backward_slot(plan, rec.state),
-               fmt.backward_dtype, with_transpose=fp8_wgrad)
-    qg_t = qg.transpose_2d(update_cache=False) if fp8_wgrad else None
+    if grad_cast is not None:
+        qg, qg_t = grad_cast
+    else:
+        qg = _cast(g2, plan.recipe, rec.state.bwd.scale if delayed else None, _backward_slot(plan, rec.state),
+                   fmt.backward_dtype, with_transpose=fp8_wgrad)
+        qg_t = qg.transpose_2d(update_cache=False) if fp8_wgrad else None
     grad_x = grad_w = grad_b = None
     # dgrad first; its operands (the row-major grad cast, the weight's transpose) are released before the
     # wgrad GEMM allocates the weight gradient, so the two sets never coexist (lower peak memory)

@@ -92,6 +92,13 @@ def _padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return _pad_rows(_pad_cols(data, cols), rows)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when its storage does not start at a 16-byte boundary: cuBLAS's FP8 GEMM refuses
+    such operand and scale pointers (CUBLAS_STATUS_NOT_SUPPORTED on H200 for a scale_inv 12 bytes into its
+    buffer). Views into shared buffers (one buffer for several experts' casts) can start anywhere."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def fp8_gemm(
     a: Float8Tensor,
     b: Float8Tensor,
@@ -140,10 +147,10 @@ def fp8_gemm(
         else:
             bias_arg = bias.to(out_dtype)
     out = torch._scaled_mm(
-        a_data,
-        b_data.t(),  # [K, N] column-major view: what cuBLAS wants for the second operand
-        scale_a=a._scale_inv.reshape(()).float(),
-        scale_b=b._scale_inv.reshape(()).float(),
+        _aligned(a_data),
+        _aligned(b_data).t(),  # [K, N] column-major view: what cuBLAS wants for the second operand
+        scale_a=_aligned(a._scale_inv.reshape(()).float()),
+        scale_b=_aligned(b._scale_inv.reshape(()).float()),
         bias=bias_arg,
         out_dtype=result_dtype,
         use_fast_accum=use_fast_accum,

@@ -144,12 +144,17 @@ def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     return t
 
 
+SINV_STRIDE = 4  # float32 elements between two blocks' scale_inv in `RowBlocks.sinv` (16 bytes)
+
+
 @dataclasses.dataclass
 class RowBlocks:
     """FP8 casts of consecutive row blocks of one `[M, N]` tensor, block `e` with its own scale (see
     `quantize_row_blocks`): `data [M, N]`, the blocks' transposes in one flat buffer (block e's `[N, rows_e]`
-    from element `N * start_e`), `sinv [E]` (1 / scale per block), `row_sinv [M]` (each row's block's), and the
-    device table `[3, E]` (scale addresses, amax slot addresses, row ends) the fused kernel read."""
+    from element `N * start_e`), `sinv [E * SINV_STRIDE]` (1 / scale of block e at `e * SINV_STRIDE`: every
+    scale_inv 16-byte aligned, as cuBLAS's FP8 GEMM requires of its scale pointers), `row_sinv [M]` (each row's
+    block's), and the device table `[3, E]` (scale addresses, amax slot addresses, row ends) the fused kernel
+    read."""
 
     data: torch.Tensor
     transposes: Optional[torch.Tensor]
@@ -163,13 +168,13 @@ class RowBlocks:
     def block(self, e: int) -> Float8Tensor:
         """Block `e` as a Float8Tensor (a view of `data`, its scale_inv a view of `sinv`)."""
         s, m = self.starts[e], self.rows[e]
-        return Float8Tensor(self.data[s : s + m], self.sinv[e], self.dtype)
+        return Float8Tensor(self.data[s : s + m], self.sinv[e * SINV_STRIDE], self.dtype)
 
     def block_transposed(self, e: int) -> Float8Tensor:
         """Block `e`'s transpose `[N, rows_e]` (a view of `transposes`)."""
         n = self.data.shape[1]
         s, m = self.starts[e], self.rows[e]
-        return Float8Tensor(self.transposes[n * s : n * (s + m)].view(n, m), self.sinv[e], self.dtype)
+        return Float8Tensor(self.transposes[n * s : n * (s + m)].view(n, m), self.sinv[e * SINV_STRIDE], self.dtype)
 
 
 def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
@@ -189,7 +194,7 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
         total += m
     data = torch.empty((M, N), dtype=fp8_dtype, device=device)
     transposes = torch.empty(M * N, dtype=fp8_dtype, device=device) if with_transpose else None
-    sinv = torch.empty(len(splits), dtype=torch.float32, device=device)
+    sinv = torch.empty(len(splits) * SINV_STRIDE, dtype=torch.float32, device=device)
     row_sinv = torch.empty(M, dtype=torch.float32, device=device)
     table = torch.tensor([[s.data_ptr() for s in scales], [a.data_ptr() for a in amax_slots],
                           [s + m for s, m in zip(starts, splits)]], dtype=torch.int64).to(device, non_blocking=True)
@@ -205,5 +210,5 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
             out._transpose_cache.buffer = blocks.block_transposed(e)._data
         quantize(x2[start : start + m], scales[e], fp8_dtype, amax_out=amax_slots[e], out=out,
                  with_transpose=with_transpose, force_torch=True)
-        row_sinv[start : start + m] = sinv[e]
+        row_sinv[start : start + m] = out._scale_inv
     return blocks

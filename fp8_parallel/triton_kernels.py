@@ -150,13 +150,14 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
     def _quantize_blocks_kernel(
         x_ptr, data_ptr, t_ptr, table_ptr, sinv_ptr, row_sinv_ptr,
         M, N, stride_xm, fp8_max,
-        E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WITH_T: tl.constexpr,
+        E: tl.constexpr, SINV_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WITH_T: tl.constexpr,
     ):
         """The fused cast of consecutive row blocks of x, block e with its own scale and amax slot.
 
         `table_ptr`: int64 `[3, E]`: the blocks' scale addresses, amax slot addresses, and row ends. Block e's
         transpose `[N, rows_e]` is stored at `t_ptr + N * start_e`; `row_sinv[r]` gets 1 / scale of r's block;
-        `sinv[e]` 1 / scale_e."""
+        `sinv[SINV_STRIDE * e]` 1 / scale_e (16-byte aligned, see `quantize.RowBlocks`)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,7 +186,8 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
             tl.store(row_sinv_ptr + offs_m, tl.math.div_rn(1.0, scale), mask=row_ok)
         if (pid_m == 0) & (pid_n == 0):
             for j in tl.static_range(E):
-                tl.store(sinv_ptr + j, tl.math.div_rn(1.0, tl.load(tl.load(table_ptr + j).to(tl.pointer_type(tl.float32)))))
+                scale_j = tl.load(tl.load(table_ptr + j).to(tl.pointer_type(tl.float32)))
+                tl.store(sinv_ptr + SINV_STRIDE * j, tl.math.div_rn(1.0, scale_j))
 
     @triton.jit
     def _amax_update_kernel(
@@ -221,6 +223,7 @@ def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor
                        sinv: torch.Tensor, row_sinv: torch.Tensor) -> None:
     """`_quantize_blocks_kernel` over `x2: [M, N]` (16-bit, last dimension contiguous); `table` as the kernel
     says, on the device; `transposes`: a flat buffer of M * N elements, or None."""
+    from .quantize import SINV_STRIDE
     from .recipe import fp8_max
 
     M, N = x2.shape
@@ -231,7 +234,7 @@ def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor
         grid,
         (x2, data, transposes if transposes is not None else data, table, sinv, row_sinv, M, N, x2.stride(0),
          fp8_max(data.dtype)),
-        (E, block_m, block_n, transposes is not None),
+        (E, SINV_STRIDE, block_m, block_n, transposes is not None),
         num_warps=4,
     )
 

@@ -327,6 +327,33 @@ def test_gemm_matches_dequantized_float64(gen, m, k, n, out_dtype, with_bias):
             fp8_gemm(a, b, out_dtype)
 
 
+def test_gemm_gives_cublas_16_byte_aligned_pointers(gen, monkeypatch):
+    """Operands and scale_invs that are views starting off a 16-byte boundary (one buffer shared by several
+    experts' casts) reach `_scaled_mm` as aligned copies, on every device (cuBLAS refuses them on the GPU:
+    CUBLAS_STATUS_NOT_SUPPORTED for a scale_inv 12 bytes into its buffer on H200); the result is unchanged."""
+    seen = []
+    real = torch._scaled_mm
+
+    def checking(a, b, scale_a, scale_b, **kwargs):
+        seen.append([t.data_ptr() % 16 for t in (a, b, scale_a, scale_b)])
+        return real(a, b, scale_a, scale_b, **kwargs)
+
+    x = _rand(gen, 40, 32, dtype=torch.bfloat16)
+    w = _rand(gen, 48, 32, dtype=torch.bfloat16)
+    qx = quantize(x, (448.0 / x.float().abs().max()).reshape(1), E4M3)
+    qw = quantize(w, (448.0 / w.float().abs().max()).reshape(1), E4M3)
+    want = fp8_gemm(qx, qw, torch.float32)
+    sinv = torch.zeros(8)
+    sinv[3] = qx._scale_inv  # 12 bytes into its buffer
+    shifted = torch.empty(40 * 32 + 1, dtype=torch.uint8)  # the data 1 byte into its buffer
+    shifted[1:].copy_(qx._data.view(torch.uint8).reshape(-1))
+    odd = Float8Tensor(shifted[1:].view(E4M3).view(40, 32), sinv[3], qx.dtype)
+    assert odd._data.data_ptr() % 16 and odd._scale_inv.data_ptr() % 16
+    monkeypatch.setattr(torch, "_scaled_mm", checking)
+    got = fp8_gemm(odd, qw, torch.float32)
+    assert seen == [[0, 0, 0, 0]] and torch.equal(got, want)
+
+
 def test_gemm_uses_an_operand_stored_zero_padded_in_place(gen, monkeypatch):
     """An operand quantized into `padded_fp8` storage (a weight padded once, when cast) is multiplied through
     its zero-padded buffer: no copy, the same bytes as padding a dense cast. A slice of such an operand is a

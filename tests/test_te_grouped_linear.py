@@ -26,6 +26,10 @@ from te_testing import seed_for as _seed, rel_error as _rel
 
 REPO = Path(__file__).resolve().parents[1]
 FWD_TOL, BWD_TOL, HP_TOL, HP_TOL_BF16 = 0.08, 0.12, 1e-5, 1e-2
+# An expert's weight gradient in FP8 sums E5M2 grad_output x E4M3 input over its few rows (11 for weight3), so
+# its error spreads wider: delayed scaling, bfloat16, 2000 seeds: median 0.067, 99th percentile 0.104, worst
+# 0.167 (seed 1883); seed 24532 gave 0.128 against BWD_TOL. The other errors stayed under 0.08.
+FP8_WGRAD_TOL = 0.25
 RECIPES = {
     "delayed": recipe.DelayedScaling(amax_history_len=8, amax_compute_algo="max"),
     "current": recipe.Float8CurrentScaling(),
@@ -109,7 +113,8 @@ def _check_float64(rname: str, dtype: torch.dtype, shape: str, device: str) -> N
             if rows == 0:  # a GEMM without rows: zero gradients, exactly
                 assert torch.equal(gw, torch.zeros_like(gw)) and torch.equal(gb, torch.zeros_like(gb)), where
                 continue
-            assert _rel(gw, dw64[i]) < bwd_tol, f"weight{i} grad {_rel(gw, dw64[i]):.2e} {where}"
+            wgrad_tol = FP8_WGRAD_TOL if fp8 else bwd_tol
+            assert _rel(gw, dw64[i]) < wgrad_tol, f"weight{i} grad {_rel(gw, dw64[i]):.2e} {where}"
             # the bias gradient sums grad_output in high precision, FP8 or not
             assert _rel(gb, db64[i]) < hp_tol, f"bias{i} grad {_rel(gb, db64[i]):.2e} {where}"
 

@@ -150,11 +150,14 @@ SINV_STRIDE = 4  # float32 elements between two blocks' scale_inv in `RowBlocks.
 @dataclasses.dataclass
 class RowBlocks:
     """FP8 casts of consecutive row blocks of one `[M, N]` tensor, block `e` with its own scale (see
-    `quantize_row_blocks`): `data [M, N]`, the blocks' transposes in one flat buffer (block e's `[N, rows_e]`
-    from element `N * start_e`), `sinv [E * SINV_STRIDE]` (1 / scale of block e at `e * SINV_STRIDE`: every
-    scale_inv 16-byte aligned, as cuBLAS's FP8 GEMM requires of its scale pointers), `row_sinv [M]` (each row's
-    block's), and the device table `[3, E]` (scale addresses, amax slot addresses, row ends) the fused kernel
-    read."""
+    `quantize_row_blocks`).
+
+    `data [M, N]`; the blocks' transposes in one flat, zero-filled buffer: block e's `[N, padded_e]` from
+    element `N * padded_start_e`, its rows padded to a multiple of 16 with zeros (`padded_e`), so a GEMM that
+    contracts over the rows (a weight gradient) needs no padding copy and stays exact; `sinv [E * SINV_STRIDE]`
+    (1 / scale of block e at `e * SINV_STRIDE`: every scale_inv 16-byte aligned, as cuBLAS's FP8 GEMM requires
+    of its scale pointers); `row_sinv [M]` (each row's block's); and the device table `[5, E]` (scale
+    addresses, amax slot addresses, row ends, padded starts, padded rows) the fused kernel reads."""
 
     data: torch.Tensor
     transposes: Optional[torch.Tensor]
@@ -163,6 +166,8 @@ class RowBlocks:
     table: torch.Tensor
     starts: List[int]
     rows: List[int]
+    padded_starts: List[int]
+    padded_rows: List[int]
     dtype: torch.dtype
 
     def block(self, e: int) -> Float8Tensor:
@@ -171,9 +176,9 @@ class RowBlocks:
         return Float8Tensor(self.data[s : s + m], self.sinv[e * SINV_STRIDE], self.dtype)
 
     def block_transposed(self, e: int) -> Float8Tensor:
-        """Block `e`'s transpose `[N, rows_e]` (a view of `transposes`)."""
+        """Block `e`'s zero-padded transpose `[N, padded_e]` (a view of `transposes`)."""
         n = self.data.shape[1]
-        s, m = self.starts[e], self.rows[e]
+        s, m = self.padded_starts[e], self.padded_rows[e]
         return Float8Tensor(self.transposes[n * s : n * (s + m)].view(n, m), self.sinv[e * SINV_STRIDE], self.dtype)
 
 
@@ -182,23 +187,30 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
                         force_torch: bool = False) -> RowBlocks:
     """Cast the row blocks of `x: [M, N]` (`splits` rows each, in order) to FP8, block `e` with `scales[e]`
     (one element) into `amax_slots[e]`, in one pass: on CUDA one fused kernel for all blocks (16-bit inputs),
-    elsewhere `quantize` per block; the same bytes either way."""
+    elsewhere `quantize` per block; the same bytes either way (see `RowBlocks` for the layout)."""
+    from .gemm import ALIGN
+
     x2 = x.detach()
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape
     device = x2.device
-    starts, total = [], 0
+    starts, padded_starts, padded_rows, total, padded_total = [], [], [], 0, 0
     for m in splits:
         starts.append(total)
+        padded_starts.append(padded_total)
+        padded_rows.append(-(-m // ALIGN) * ALIGN)
         total += m
+        padded_total += padded_rows[-1]
     data = torch.empty((M, N), dtype=fp8_dtype, device=device)
-    transposes = torch.empty(M * N, dtype=fp8_dtype, device=device) if with_transpose else None
+    transposes = torch.zeros(padded_total * N, dtype=fp8_dtype, device=device) if with_transpose else None
     sinv = torch.empty(len(splits) * SINV_STRIDE, dtype=torch.float32, device=device)
     row_sinv = torch.empty(M, dtype=torch.float32, device=device)
     table = torch.tensor([[s.data_ptr() for s in scales], [a.data_ptr() for a in amax_slots],
-                          [s + m for s, m in zip(starts, splits)]], dtype=torch.int64).to(device, non_blocking=True)
-    blocks = RowBlocks(data, transposes, sinv, row_sinv, table, starts, list(splits), x.dtype)
+                          [s + m for s, m in zip(starts, splits)], padded_starts, padded_rows],
+                         dtype=torch.int64).to(device, non_blocking=True)
+    blocks = RowBlocks(data, transposes, sinv, row_sinv, table, starts, list(splits), padded_starts, padded_rows,
+                       x.dtype)
     if not force_torch and x2.element_size() == 2 and _use_triton(x2) and M > 0:
         from .triton_kernels import quantize_blocks_2d
 
@@ -206,8 +218,8 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
         return blocks
     for e, (start, m) in enumerate(zip(starts, splits)):
         out = blocks.block(e)
-        if with_transpose:
-            out._transpose_cache.buffer = blocks.block_transposed(e)._data
+        if with_transpose:  # the block's rows of its padded transpose (a strided view: the torch path)
+            out._transpose_cache.buffer = blocks.block_transposed(e)._data[:, :m]
         quantize(x2[start : start + m], scales[e], fp8_dtype, amax_out=amax_slots[e], out=out,
                  with_transpose=with_transpose, force_torch=True)
         row_sinv[start : start + m] = out._scale_inv

@@ -155,8 +155,9 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
     ):
         """The fused cast of consecutive row blocks of x, block e with its own scale and amax slot.
 
-        `table_ptr`: int64 `[3, E]`: the blocks' scale addresses, amax slot addresses, and row ends. Block e's
-        transpose `[N, rows_e]` is stored at `t_ptr + N * start_e`; `row_sinv[r]` gets 1 / scale of r's block;
+        `table_ptr`: int64 `[5, E]`: the blocks' scale addresses, amax slot addresses, row ends, padded starts
+        and padded rows. Block e's transpose is stored in the first rows_e columns of `[N, padded_rows_e]` at
+        `t_ptr + N * padded_start_e` (the rest stays as allocated: zeros); `row_sinv[r]` gets 1 / scale of r's block;
         `sinv[SINV_STRIDE * e]` 1 / scale_e (16-byte aligned, see `quantize.RowBlocks`)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -175,8 +176,10 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         y = tl.clamp(x * scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
         y8 = y.to(data_ptr.dtype.element_ty)
         tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
-        if WITH_T:  # element (r, c) of block e at N * start_e + c * rows_e + (r - start_e)
-            t_off = start[:, None] * N + offs_n[None, :].to(tl.int64) * (end - start)[:, None] + (offs_m - start)[:, None]
+        if WITH_T:  # element (r, c) of block e at N * padded_start_e + c * padded_rows_e + (r - start_e)
+            padded_start = tl.load(table_ptr + 3 * E + block)
+            padded_rows = tl.load(table_ptr + 4 * E + block)
+            t_off = padded_start[:, None] * N + offs_n[None, :].to(tl.int64) * padded_rows[:, None] + (offs_m - start)[:, None]
             tl.store(t_ptr + t_off, y8, mask=mask)
         ax = tl.abs(x)
         ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite

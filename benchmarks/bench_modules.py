@@ -95,13 +95,14 @@ class _Experts(torch.nn.Module):
     """fc1 -> gelu -> fc2 over experts' row blocks: our GroupedLinear (FP8 in a scope, or BF16 with
     `fp8=False`), or BF16 per-expert `F.linear` / torch's grouped GEMM (`bf16_impl`) on the same weights."""
 
-    def __init__(self, e: int, d: int, f: int, fp8: bool, bf16_impl: str = "", cache_weights: bool = False):
+    def __init__(self, e: int, d: int, f: int, fp8: bool, bf16_impl: str = "", cache_weights: bool = False,
+                 fp8_format=fp.Format.HYBRID):
         super().__init__()
         self.first = True if cache_weights else None  # is_first_microbatch: True once, then False (cached casts)
         self.fc1 = fp.GroupedLinear(e, d, f, bias=False, params_dtype=torch.bfloat16, device="cuda")
         self.fc2 = fp.GroupedLinear(e, f, d, bias=False, params_dtype=torch.bfloat16, device="cuda")
         self.fp8, self.bf16_impl, self.e = fp8, bf16_impl, e
-        self.recipe = fp.DelayedScaling(amax_history_len=16)
+        self.recipe = fp.DelayedScaling(fp8_format=fp8_format, amax_history_len=16)
 
     def _weights(self, lin):
         return [getattr(lin, f"weight{i}") for i in range(self.e)]
@@ -135,12 +136,14 @@ def bench_experts(e: int, d: int, f: int, tokens: int) -> None:
     base = _Experts(e, d, f, fp8=False, bf16_impl="loop")
     variants = [("bf16 per-expert F.linear", base, None), ("bf16 torch._grouped_mm", None, None),
                 ("fp8 per-expert", None, False), ("fp8 grouped", None, True),
-                ("fp8 per-expert, cached weight casts", None, False), ("fp8 grouped, cached weight casts", None, True)]
+                ("fp8 per-expert, cached weight casts", None, False), ("fp8 grouped, cached weight casts", None, True),
+                ("fp8 grouped, cached weight casts, E4M3 gradients", None, True)]
     times = {}
     for name, model, grouped in variants:
         if model is None:
             model = _Experts(e, d, f, fp8=grouped is not None, bf16_impl="grouped" if grouped is None else "",
-                             cache_weights="cached" in name)
+                             cache_weights="cached" in name,
+                             fp8_format=fp.Format.E4M3 if "E4M3" in name else fp.Format.HYBRID)
             model.load_state_dict(base.state_dict(), strict=False)
         if grouped is not None:
             _grouped_core.GROUPED_GEMM = grouped

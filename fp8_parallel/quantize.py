@@ -152,9 +152,11 @@ class RowBlocks:
     """FP8 casts of consecutive row blocks of one `[M, N]` tensor, block `e` with its own scale (see
     `quantize_row_blocks`).
 
-    `data [M, N]`; the blocks' transposes in one flat, zero-filled buffer: block e's `[N, padded_e]` from
-    element `N * padded_start_e`, its rows padded to a multiple of 16 with zeros (`padded_e`), so a GEMM that
-    contracts over the rows (a weight gradient) needs no padding copy and stays exact; `sinv [E * SINV_STRIDE]`
+    `data [M, N]`; the blocks' transposes in one zero-filled buffer, each block's rows padded with zeros to a
+    multiple of 16 (`padded_e`), so a GEMM that contracts over the rows (a weight gradient) needs no padding
+    copy and stays exact: block e's own `[N, padded_e]` matrix from element `N * padded_start_e`, or, with
+    `one_matrix`, columns `padded_start_e ...` of one `[N, padded_total]` matrix (a grouped GEMM's operand
+    with its groups along the columns; there an empty block gets 16 zero columns); `sinv [E * SINV_STRIDE]`
     (1 / scale of block e at `e * SINV_STRIDE`: every scale_inv 16-byte aligned, as cuBLAS's FP8 GEMM requires
     of its scale pointers); `row_sinv [M]` (each row's block's); and the device table `[5, E]` (scale
     addresses, amax slot addresses, row ends, padded starts, padded rows) the fused kernel reads."""
@@ -169,6 +171,7 @@ class RowBlocks:
     padded_starts: List[int]
     padded_rows: List[int]
     dtype: torch.dtype
+    one_matrix: bool = False
 
     def block(self, e: int) -> Float8Tensor:
         """Block `e` as a Float8Tensor (a view of `data`, its scale_inv a view of `sinv`)."""
@@ -176,15 +179,25 @@ class RowBlocks:
         return Float8Tensor(self.data[s : s + m], self.sinv[e * SINV_STRIDE], self.dtype)
 
     def block_transposed(self, e: int) -> Float8Tensor:
-        """Block `e`'s zero-padded transpose `[N, padded_e]` (a view of `transposes`)."""
+        """Block `e`'s zero-padded transpose `[N, padded_e]` (a view of `transposes`; strided with
+        `one_matrix`)."""
         n = self.data.shape[1]
         s, m = self.padded_starts[e], self.padded_rows[e]
+        if self.one_matrix:
+            return Float8Tensor(self.transposed_matrix()[:, s : s + m], self.sinv[e * SINV_STRIDE], self.dtype)
         return Float8Tensor(self.transposes[n * s : n * (s + m)].view(n, m), self.sinv[e * SINV_STRIDE], self.dtype)
+
+    def transposed_matrix(self) -> torch.Tensor:
+        """The `[N, padded_total]` matrix of all blocks' transposes (`one_matrix` layout)."""
+        return self.transposes.view(self.data.shape[1], -1)
+
+    def padded_ends(self) -> List[int]:
+        return [s + m for s, m in zip(self.padded_starts, self.padded_rows)]
 
 
 def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
                         amax_slots: Sequence[torch.Tensor], fp8_dtype: torch.dtype, with_transpose: bool,
-                        force_torch: bool = False) -> RowBlocks:
+                        one_matrix: bool = False, force_torch: bool = False) -> RowBlocks:
     """Cast the row blocks of `x: [M, N]` (`splits` rows each, in order) to FP8, block `e` with `scales[e]`
     (one element) into `amax_slots[e]`, in one pass: on CUDA one fused kernel for all blocks (16-bit inputs),
     elsewhere `quantize` per block; the same bytes either way (see `RowBlocks` for the layout)."""
@@ -199,7 +212,7 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
     for m in splits:
         starts.append(total)
         padded_starts.append(padded_total)
-        padded_rows.append(-(-m // ALIGN) * ALIGN)
+        padded_rows.append(max(-(-m // ALIGN) * ALIGN, ALIGN if one_matrix else 0))
         total += m
         padded_total += padded_rows[-1]
     data = torch.empty((M, N), dtype=fp8_dtype, device=device)
@@ -210,11 +223,11 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
                           [s + m for s, m in zip(starts, splits)], padded_starts, padded_rows],
                          dtype=torch.int64).to(device, non_blocking=True)
     blocks = RowBlocks(data, transposes, sinv, row_sinv, table, starts, list(splits), padded_starts, padded_rows,
-                       x.dtype)
+                       x.dtype, one_matrix)
     if not force_torch and x2.element_size() == 2 and _use_triton(x2) and M > 0:
         from .triton_kernels import quantize_blocks_2d
 
-        quantize_blocks_2d(x2, table, data, transposes, sinv, row_sinv)
+        quantize_blocks_2d(x2, table, data, transposes, sinv, row_sinv, padded_total, one_matrix)
         return blocks
     for e, (start, m) in enumerate(zip(starts, splits)):
         out = blocks.block(e)

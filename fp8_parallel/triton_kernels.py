@@ -149,15 +149,16 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
     @triton.jit
     def _quantize_blocks_kernel(
         x_ptr, data_ptr, t_ptr, table_ptr, sinv_ptr, row_sinv_ptr,
-        M, N, stride_xm, fp8_max,
+        M, N, stride_xm, fp8_max, padded_total,
         E: tl.constexpr, SINV_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        WITH_T: tl.constexpr,
+        WITH_T: tl.constexpr, ONE_MATRIX: tl.constexpr,
     ):
         """The fused cast of consecutive row blocks of x, block e with its own scale and amax slot.
 
         `table_ptr`: int64 `[5, E]`: the blocks' scale addresses, amax slot addresses, row ends, padded starts
         and padded rows. Block e's transpose is stored in the first rows_e columns of `[N, padded_rows_e]` at
-        `t_ptr + N * padded_start_e` (the rest stays as allocated: zeros); `row_sinv[r]` gets 1 / scale of r's block;
+        `t_ptr + N * padded_start_e`, or (ONE_MATRIX) in columns `padded_start_e ...` of one
+        `[N, padded_total]` matrix; the padding stays as allocated (zeros). `row_sinv[r]` gets 1 / scale of r's block;
         `sinv[SINV_STRIDE * e]` 1 / scale_e (16-byte aligned, see `quantize.RowBlocks`)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -176,10 +177,15 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         y = tl.clamp(x * scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
         y8 = y.to(data_ptr.dtype.element_ty)
         tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
-        if WITH_T:  # element (r, c) of block e at N * padded_start_e + c * padded_rows_e + (r - start_e)
+        if WITH_T:
             padded_start = tl.load(table_ptr + 3 * E + block)
-            padded_rows = tl.load(table_ptr + 4 * E + block)
-            t_off = padded_start[:, None] * N + offs_n[None, :].to(tl.int64) * padded_rows[:, None] + (offs_m - start)[:, None]
+            column = (padded_start + offs_m - start)[:, None]  # the row's column in the padded transpose
+            if ONE_MATRIX:  # one [N, padded_total] matrix, block e in columns padded_start_e ...
+                t_off = offs_n[None, :].to(tl.int64) * padded_total + column
+            else:  # block e's own [N, padded_rows_e] matrix from element N * padded_start_e
+                padded_rows = tl.load(table_ptr + 4 * E + block)
+                t_off = padded_start[:, None] * N + offs_n[None, :].to(tl.int64) * padded_rows[:, None] + column \
+                    - padded_start[:, None]
             tl.store(t_ptr + t_off, y8, mask=mask)
         ax = tl.abs(x)
         ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite
@@ -223,9 +229,9 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
 
 
 def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor, transposes: Optional[torch.Tensor],
-                       sinv: torch.Tensor, row_sinv: torch.Tensor) -> None:
+                       sinv: torch.Tensor, row_sinv: torch.Tensor, padded_total: int, one_matrix: bool) -> None:
     """`_quantize_blocks_kernel` over `x2: [M, N]` (16-bit, last dimension contiguous); `table` as the kernel
-    says, on the device; `transposes`: a flat buffer of M * N elements, or None."""
+    says, on the device; `transposes`: a zeroed flat buffer of `padded_total * N` elements, or None."""
     from .quantize import SINV_STRIDE
     from .recipe import fp8_max
 
@@ -236,8 +242,8 @@ def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor
     _QUANTIZE_BLOCKS(
         grid,
         (x2, data, transposes if transposes is not None else data, table, sinv, row_sinv, M, N, x2.stride(0),
-         fp8_max(data.dtype)),
-        (E, SINV_STRIDE, block_m, block_n, transposes is not None),
+         fp8_max(data.dtype), padded_total),
+        (E, SINV_STRIDE, block_m, block_n, transposes is not None, one_matrix),
         num_warps=4,
     )
 

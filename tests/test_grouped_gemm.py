@@ -32,17 +32,33 @@ FP8_FWD_TOL, FP8_BWD_TOL = 0.08, 0.12
 
 
 def _emulated_grouped_mm(calls: List[int]):
-    """torch._scaled_grouped_mm's 2d x 3d case in float32 (CPU tests): rows `offs[g-1]:offs[g]` times group g."""
+    """torch._scaled_grouped_mm in float32 (CPU tests), with its layout and scale-shape rules: 2d x 3d (groups
+    of rows of `a`; `b [E, K, N]` column-major, scales `[M]` and `[E, N]`) and 2d x 2d (groups along the
+    contraction dimension; `b [K, N]` column-major, scales `[E * M]` and `[E * N]`)."""
 
     def grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
-        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == 1 and b.stride(1) == 1
-        assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+        assert a.dtype == b.dtype == torch.float8_e4m3fn, "torch's grouped FP8 GEMM takes E4M3 only"
+        assert a.stride(-1) == 1 and b.stride(-2) == 1, "a row-major, b column-major"
+        assert a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0
         assert offs.dtype == torch.int32 and out_dtype == torch.bfloat16
+        assert scale_a.is_contiguous() and scale_b.is_contiguous()
         calls.append(len(offs))
-        out, start = torch.empty((a.shape[0], b.shape[2]), dtype=torch.float32), 0
-        for g, end in enumerate(offs.tolist()):
-            rows = a[start:end].float() * scale_a[start:end, None]
-            out[start:end] = rows @ (b[g].float() * scale_b[g][None, :])
+        ends = offs.tolist()
+        if b.dim() == 3:
+            assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+            out, start = torch.empty((a.shape[0], b.shape[2]), dtype=torch.float32), 0
+            for g, end in enumerate(ends):
+                rows = a[start:end].float() * scale_a[start:end, None]
+                out[start:end] = rows @ (b[g].float() * scale_b[g][None, :])
+                start = end
+            return out.to(out_dtype)
+        m, n, groups = a.shape[0], b.shape[1], len(ends)
+        assert scale_a.shape == (groups * m,) and scale_b.shape == (groups * n,)
+        out, start = torch.empty((groups, m, n), dtype=torch.float32), 0
+        for g, end in enumerate(ends):
+            assert (end - start) % 16 == 0, "each group's contraction a multiple of 16"
+            lhs = a[:, start:end].float() * scale_a[g * m : (g + 1) * m, None]
+            out[g] = lhs @ (b[start:end].float() * scale_b[g * n : (g + 1) * n][None, :])
             start = end
         return out.to(out_dtype)
 
@@ -72,11 +88,21 @@ def _run(lin, x, dy, rname, grouped: bool, monkeypatch, is_first_microbatch=None
     return y, x.grad
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, where: str) -> None:
+    """Within the grouped GEMM's rounding of the per-expert result (see the module docstring)."""
+    assert _rel(a, b) < 5e-3, f"{what} {_rel(a, b):.2e} from the per-expert path {where}"
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=f"{what} {where}")
+
+
 def _compare(rname: str, device: str, monkeypatch, calls: List[int], steps: int = 3) -> None:
+    """Grouped vs per-expert path over steps. HYBRID and current scaling: one grouped GEMM per step (forward),
+    gradients bit for bit. E4M3 with delayed scaling: three (forward, input and weight gradients), gradients
+    within the grouped GEMM's rounding."""
     seed = _seed(f"grouped-vs-per-expert/{rname}/{device}")
     gen = torch.Generator().manual_seed(seed)
     grouped, per_expert = _twins(seed, device)
     rows = sum(SPLITS)
+    grouped_backward = rname == "delayed-e4m3"
     for step in range(steps):
         where = f"step {step} (seed {seed})"
         x = (torch.randn(rows, IN, generator=gen) * 2).to(device=device, dtype=torch.bfloat16)
@@ -84,18 +110,21 @@ def _compare(rname: str, device: str, monkeypatch, calls: List[int], steps: int 
         before = len(calls)
         first = (step == 0) if step < 2 else None  # weight caching, then a cast per call
         ya, gxa = _run(grouped, x, dy, rname, True, monkeypatch, first)
-        assert len(calls) == before + 1, f"the grouped GEMM did not run {where}"
+        expected = before + (3 if grouped_backward else 1)
+        assert len(calls) == expected, f"{len(calls) - before} grouped GEMMs ran {where}"
         yb, gxb = _run(per_expert, x, dy, rname, False, monkeypatch, first)
-        assert len(calls) == before + 1, f"the per-expert path ran the grouped GEMM {where}"
+        assert len(calls) == expected, f"the per-expert path ran the grouped GEMM {where}"
         assert ya.shape == yb.shape == (rows, OUT) and ya.dtype == torch.bfloat16
-        assert _rel(ya, yb) < 5e-3, f"output {_rel(ya, yb):.2e} from the per-expert path {where}"
-        torch.testing.assert_close(ya, yb, rtol=2e-2, atol=2e-2 * yb.abs().max().item(), msg=where)
-        assert torch.equal(gxa, gxb), f"input grad differs {where}"
+        _close(ya, yb, "output", where)
+        same = _close if grouped_backward else lambda a, b, what, at: _equal(a, b, what, at)
+        same(gxa, gxb, "input grad", where)
         for i in range(len(SPLITS)):
             wa, wb = getattr(grouped, f"weight{i}"), getattr(per_expert, f"weight{i}")
-            assert torch.equal(wa.grad, wb.grad), f"weight{i} grad differs {where}"
             if SPLITS[i] == 0:
                 assert torch.equal(wa.grad, torch.zeros_like(wa.grad)), f"weight{i} (no rows) {where}"
+                assert torch.equal(wb.grad, wa.grad), f"weight{i} (no rows) {where}"
+            else:
+                same(wa.grad, wb.grad, f"weight{i} grad", where)
             wa.grad = wb.grad = None
         # against float64: FP8's tolerance
         x64 = x.double().requires_grad_()
@@ -111,6 +140,10 @@ def _compare(rname: str, device: str, monkeypatch, calls: List[int], steps: int 
             assert torch.equal(sa[k], sb[k]), f"fp8[{i}].{k} differs (seed {seed})"
     if rname.startswith("delayed"):  # amaxes were recorded (the state is not trivially equal)
         assert (grouped.fp8[0].fwd.amax_history[:, 0] > 0).all() and (grouped.fp8[0].bwd.amax_history[:, 0] > 0).all()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, what: str, where: str) -> None:
+    assert torch.equal(a, b), f"{what} differs from the per-expert path {where}"
 
 
 @pytest.mark.parametrize("rname", sorted(RECIPES))
@@ -213,5 +246,29 @@ def test_gpu_fused_row_block_cast_equals_per_block_casts(fp8_dtype):
             for s, r in zip(slots, ref_slots):
                 assert torch.equal(s, r), f"amax slots differ {where}"
             if rows > 3:
-                nan_block = next(e for e, end in enumerate(_grouped_core._cumulative(splits)) if end > 3)
+                nan_block = next(e for e, end in enumerate(_grouped_core.cumulative(splits)) if end > 3)
                 assert slots[nan_block][0].item() == float("inf"), f"a NaN's amax is recorded as +inf {where}"
+
+
+def test_e4m3_backward_is_grouped_only_when_every_weight_takes_a_gradient(monkeypatch):
+    """E4M3 with delayed scaling groups the input and weight gradients (3 grouped GEMMs per step); a frozen
+    expert weight sends the backward to the per-expert GEMMs (1 grouped GEMM: the forward), and the
+    gradients of both runs agree within the grouped GEMM's rounding."""
+    calls: List[int] = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    seed = _seed("grouped-e4m3-frozen")
+    gen = torch.Generator().manual_seed(seed)
+    trained, frozen = _twins(seed, "cpu")  # the same weights and fresh FP8 states: the same scales
+    frozen.weight1.requires_grad_(False)
+    x = (torch.randn(sum(SPLITS), IN, generator=gen) * 2).to(torch.bfloat16)
+    dy = torch.randn(sum(SPLITS), OUT, generator=gen).to(torch.bfloat16)
+    grads = []
+    for lin, expected in ((trained, 3), (frozen, 1)):
+        before = len(calls)
+        _, gx = _run(lin, x, dy, "delayed-e4m3", True, monkeypatch)
+        assert len(calls) - before == expected, f"{len(calls) - before} grouped GEMMs (seed {seed})"
+        grads.append((gx, lin.weight0.grad, lin.weight2.grad))
+    assert frozen.weight1.grad is None
+    for what, a, b in zip(("input grad", "weight0 grad", "weight2 grad"), *grads):
+        _close(a, b, what, f"(seed {seed})")

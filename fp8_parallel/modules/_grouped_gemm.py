@@ -1,0 +1,193 @@
+"""The experts' FP8 linears as one autograd Function on torch's grouped FP8 GEMM (`torch._scaled_grouped_mm`).
+
+Forward: one grouped GEMM. Each expert's input is cast with its own scale into its rows of one FP8 buffer
+(with delayed scaling all experts in one launch, `quantize_row_blocks`), the experts' FP8 weights are
+stacked, and the per-tensor scales become the GEMM's row-wise scales (one per token row, one per expert
+output feature).
+
+Backward: with delayed scaling all experts' grad_outputs are cast in one launch. The GEMMs are grouped when
+their operands are E4M3 (the E4M3 format; torch's grouped FP8 GEMM takes no E5M2, so HYBRID's gradients run
+one GEMM per expert, `linear_backward` as `fp8_linear`'s) and every expert's weight takes a bfloat16
+gradient in FP8: the input gradient as one grouped GEMM over the rows, the weight gradients as one grouped
+GEMM contracting over each expert's rows (its operands, the inputs' and grad_outputs' transposes, stored as
+one matrix each with every expert's rows padded to 16 with zeros).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..quantize import RowBlocks, quantize_row_blocks
+from ..tensor import Float8Tensor
+from ._core import (SAVED_PER_LINEAR, _backward_done, _backward_slot, _weight_transposed, backward_outside_autocast,
+                    linear_backward, linear_operands)
+
+
+def device_has_grouped_gemm(device: torch.device) -> bool:
+    """Whether torch's grouped FP8 GEMM runs on `device` (CUDA, compute capability 9.0 or 10.0)."""
+    return device.type == "cuda" and _cuda_has_grouped_gemm(device.index if device.index is not None
+                                                             else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_has_grouped_gemm(index: int) -> bool:
+    return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(index) in ((9, 0), (10, 0))
+
+
+def cumulative(splits: Sequence[int]) -> Iterator[int]:
+    """The running sums of `splits` (each block's end)."""
+    total = 0
+    for m in splits:
+        total += m
+        yield total
+
+
+def grouped_gemm(a: Float8Tensor, row_sinv: torch.Tensor, qweights: Sequence[Float8Tensor], ends: torch.Tensor,
+                 use_fast_accum: bool = True) -> torch.Tensor:
+    """`[rows, N]` bfloat16: each expert's rows of `a` times its `qweights[i]` (`[N, K]`, K contiguous; `a @ W.T`
+    per expert), as one `torch._scaled_grouped_mm`. `a`: the experts' FP8 rows, `row_sinv [rows]` each row's
+    scale_inv; `ends`: the experts' row ends (int32, on the device). The per-tensor weight scales become
+    row-wise scales of the second operand (each expert's scale_inv per output feature)."""
+    n = qweights[0].shape[0]
+    if a.shape[0] == 0:
+        return torch.zeros((0, n), dtype=torch.bfloat16, device=a.device)
+    b = torch.stack([q._data for q in qweights]).transpose(1, 2)  # [E, K, N], column-major
+    col_scale = torch.stack([q._scale_inv.reshape(()) for q in qweights]).unsqueeze(1).expand(len(qweights), n)
+    return torch._scaled_grouped_mm(a._data, b, row_sinv, col_scale.contiguous(), offs=ends, out_dtype=torch.bfloat16,
+                                    use_fast_accum=use_fast_accum)
+
+
+def grouped_wgrad(g_t: RowBlocks, x_t: RowBlocks) -> torch.Tensor:
+    """`[E, N, K]` bfloat16: every expert's `g_e^T @ x_e` as one grouped GEMM contracting over its rows, from
+    the grad_outputs' and the inputs' transposes in the one-matrix layout (`[N, padded]`, `[K, padded]`;
+    both blocks' rows padded alike, with zeros)."""
+    e = len(g_t.rows)
+    n, k = g_t.data.shape[1], x_t.data.shape[1]
+    scale_a = g_t.sinv[:: _stride(g_t, e)].unsqueeze(1).expand(e, n).reshape(-1)
+    scale_b = x_t.sinv[:: _stride(x_t, e)].unsqueeze(1).expand(e, k).reshape(-1)
+    ends = torch.tensor(g_t.padded_ends(), dtype=torch.int32).to(g_t.data.device, non_blocking=True)
+    return torch._scaled_grouped_mm(g_t.transposed_matrix(), x_t.transposed_matrix().t(), scale_a, scale_b,
+                                    offs=ends, out_dtype=torch.bfloat16)
+
+
+def _stride(blocks: RowBlocks, e: int) -> int:
+    return blocks.sinv.numel() // e
+
+
+def _delayed(plans: Sequence[Any]) -> bool:
+    return all(p.forward_scale is not None for p in plans)
+
+
+def _grouped_backward(plans: Sequence[Any], weights: Sequence[torch.Tensor], wgrad_in_fp8: bool) -> bool:
+    """Whether the backward GEMMs are grouped (see the module docstring)."""
+    return (_delayed(plans) and plans[0].recipe.fp8_format.backward_dtype == torch.float8_e4m3fn and wgrad_in_fp8
+            and all(w.requires_grad and w.dtype == torch.bfloat16 for w in weights))
+
+
+class GroupedFP8Linear(torch.autograd.Function):
+    """Experts' FP8 linears over row blocks. `apply(meta, *blocks, *weights)` with `meta = (x, splits,
+    qweights, states, plans, wgrad_in_fp8)`: `x` the whole input, `blocks` its row blocks (autograd inputs),
+    the rest as `fp8_linear` takes them per expert. Returns the `[rows, N]` bfloat16 output."""
+
+    @staticmethod
+    def forward(ctx, meta: Tuple, *tensors: torch.Tensor) -> torch.Tensor:
+        x2, splits, qweights, states, plans, wgrad_in_fp8 = meta
+        n = len(splits)
+        chunks, weights = tensors[:n], tensors[n:]
+        fmt = plans[0].recipe.fp8_format
+        fp8_wgrad = wgrad_in_fp8 and any(w.requires_grad for w in weights)
+        ctx.grouped_backward = _grouped_backward(plans, weights, wgrad_in_fp8)
+        ctx.x_blocks = None
+        if _delayed(plans):
+            blocks = quantize_row_blocks(x2, splits, [p.forward_scale[0:1] for p in plans],
+                                         [p.forward_slots[0:1] for p in plans], fmt.forward_dtype, fp8_wgrad,
+                                         one_matrix=ctx.grouped_backward)
+            casts = [(blocks.block(i), blocks.block_transposed(i)._data if fp8_wgrad else None) for i in range(n)]
+            a, row_sinv = Float8Tensor(blocks.data, blocks.sinv[0], x2.dtype), blocks.row_sinv
+            ends = blocks.table[2]
+            if ctx.grouped_backward:  # the transposes' matrix and scale_invs; not the row-major data (freed)
+                ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
+                                                   row_sinv=blocks.row_sinv.new_empty(0))
+        else:  # current scaling: each expert's scale comes from its own amax first
+            casts = [None] * n
+            a, row_sinv, ends = None, None, None
+        records, saved, qxs = [], [], []
+        for chunk, w, qw, state, plan, cast in zip(chunks, weights, qweights, states, plans, casts):
+            record = types.SimpleNamespace()
+            qx, to_save, _ = linear_operands(record, chunk, w, qw, state, plan, wgrad_in_fp8, False, input_cast=cast)
+            records.append(record)
+            saved.extend(to_save)
+            qxs.append(qx)
+        if a is None:
+            a = Float8Tensor(torch.cat([q._data for q in qxs]), qxs[0]._scale_inv, x2.dtype)
+            row_sinv = torch.cat([q._scale_inv.reshape(1).expand(m) for q, m in zip(qxs, splits)])
+            ends = torch.tensor(list(cumulative(splits)), dtype=torch.int64).to(x2.device, non_blocking=True)
+        ctx.ends = ends.to(torch.int32)
+        y = grouped_gemm(a, row_sinv, qweights, ctx.ends)
+        del a, qxs, casts
+        ctx.save_for_backward(*saved)
+        ctx.records, ctx.splits = records, splits
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        n = len(ctx.splits)
+        return backward_outside_autocast(lambda: GroupedFP8Linear._backward(ctx, grad_out, n), grad_out.device.type)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor, n: int):
+        saved = ctx.saved_tensors
+        records, splits = ctx.records, ctx.splits
+        if ctx.grouped_backward:
+            return (None, *_grouped_backward_gemms(ctx, saved, grad_out, n))
+        grads_out = torch.split(grad_out, splits, dim=0)
+        casts = _grad_casts(records, grad_out, splits, ctx.needs_input_grad[1 + n :])
+        grad_x: List[Optional[torch.Tensor]] = [None] * n
+        grad_w: List[Optional[torch.Tensor]] = [None] * n
+        # the last expert first, as autograd runs the per-expert calls' nodes (newest first)
+        for i in reversed(range(n)):
+            needs = (ctx.needs_input_grad[1 + i], ctx.needs_input_grad[1 + n + i], False)
+            mine = saved[i * SAVED_PER_LINEAR : (i + 1) * SAVED_PER_LINEAR]
+            grad_x[i], grad_w[i], _ = linear_backward(records[i], mine, grads_out[i], needs, casts[i])
+        return (None, *grad_x, *grad_w)
+
+
+def _backward_blocks(records: Sequence[Any], grad_out: torch.Tensor, splits: Sequence[int], with_transpose: bool,
+                     one_matrix: bool) -> RowBlocks:
+    """Every expert's grad_output cast in one launch (delayed scaling). The experts' backward amax slots are
+    registered last expert first, as the per-expert calls' backward nodes run."""
+    slots = {i: _backward_slot(records[i].plan, records[i].state) for i in reversed(range(len(records)))}
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    return quantize_row_blocks(g2, splits, [r.state.bwd.scale for r in records], [slots[i] for i in range(len(records))],
+                               records[0].plan.recipe.fp8_format.backward_dtype, with_transpose, one_matrix=one_matrix)
+
+
+def _grad_casts(records: Sequence[Any], grad_out: torch.Tensor, splits: Sequence[int], needs_weight_grad):
+    """`(qg, qg_t or None)` per expert for `linear_backward` from one cast launch (delayed scaling); `[None] * E`
+    (each expert casts its own) otherwise."""
+    if not _delayed([r.plan for r in records]):
+        return [None] * len(records)
+    fp8_wgrad = [r.wgrad_in_fp8 and need for r, need in zip(records, needs_weight_grad)]
+    blocks = _backward_blocks(records, grad_out, splits, any(fp8_wgrad), one_matrix=False)
+    return [(blocks.block(i), blocks.block_transposed(i) if fp8_wgrad[i] else None) for i in range(len(records))]
+
+
+def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor, n: int):
+    """E4M3 gradients: the input gradient and the weight gradients as one grouped GEMM each."""
+    records = ctx.records
+    g = _backward_blocks(records, grad_out, ctx.splits, with_transpose=True, one_matrix=True)
+    grad_x = [None] * n
+    if any(ctx.needs_input_grad[1 : 1 + n]):
+        w_t = [_weight_transposed(saved[i * SAVED_PER_LINEAR + 4 : i * SAVED_PER_LINEAR + 8], r.cached_weight, r.plan,
+                                  r.w_dtype) for i, r in enumerate(records)]
+        a = Float8Tensor(g.data, g.sinv[0], grad_out.dtype)
+        dx = grouped_gemm(a, g.row_sinv, w_t, ctx.ends, use_fast_accum=False)
+        grad_x = [c.view(r.x_shape) for c, r in zip(torch.split(dx, ctx.splits, dim=0), records)]
+    dw = grouped_wgrad(g, ctx.x_blocks)
+    for r in reversed(records):
+        _backward_done(r.plan)
+    return (*grad_x, *dw.unbind(0))

@@ -8,10 +8,15 @@ FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights an
         --seq 64 --micro 2 --warmup 1 --steps 1                                       # CPU dry run
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --tp 2 --sp                  # TP2 + sequence parallel
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --pp 2 --vpp 2               # PP2, 2 virtual stages
+    python bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048                        # MoE: 8 experts, top-2
+    torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048 --ep 2   # MoE, EP2
 
-With model parallelism (--tp/--pp > 1) only our spec runs (FP8 off, FP8 eager, FP8 + graphs): every variant
-builds its weights from the same seed (identical across variants), and the last rank reports (tokens/s are the
-model's: one data-parallel replica).
+With model parallelism (--tp/--pp/--ep > 1) only our spec runs (FP8 off, FP8 eager, FP8 + graphs): every
+variant builds its weights from the same seed (identical across variants), and the last rank reports (tokens/s
+are the model's: one data-parallel replica). MoE (--experts N): megatron's MoELayer with our grouped FP8
+experts (`moe_grouped_gemm=True`), top-k routing, the alltoall dispatcher, no linear biases; megatron's local
+spec and the graphed variant do not run (the experts' token counts change every step, which CUDA graphs
+cannot capture).
 
 Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, `get_forward_backward_func` over the
 microbatches. Prints and records wall time per step (median), device-busy time (union of GPU kernel
@@ -57,6 +62,9 @@ class Size:
     seq: int
     mbs: int
     micro: int
+    experts: int = 0  # MoE: experts per layer (0: dense)
+    topk: int = 2
+    moe_ffn: int = 0
 
     @property
     def tokens(self) -> int:
@@ -66,12 +74,14 @@ class Size:
         """Training FLOPs of one step (forward x3), megatron's convention: dense matmuls plus full
         (non-causal) attention score and context products, and the logits."""
         h, s = self.hidden, self.seq
-        per_token_layer = 2 * (3 * h * h + h * h + 2 * h * self.ffn) + 2 * 2 * s * h
+        ffn = self.topk * self.moe_ffn if self.experts else self.ffn  # MoE: the experts a token is routed to
+        per_token_layer = 2 * (3 * h * h + h * h + 2 * h * ffn) + 2 * 2 * s * h
         per_token = self.layers * per_token_layer + 2 * h * self.vocab
         return 3.0 * per_token * self.tokens
 
     def describe(self) -> str:
-        return (f"L{self.layers} h{self.hidden} a{self.heads} f{self.ffn} v{self.vocab} s{self.seq} "
+        moe = f" moe{self.experts} top{self.topk} f{self.moe_ffn}" if self.experts else ""
+        return (f"L{self.layers} h{self.hidden} a{self.heads} f{self.ffn}{moe} v{self.vocab} s{self.seq} "
                 f"mb{self.mbs}x{self.micro}")
 
 
@@ -83,14 +93,15 @@ class Layout:
     pp: int = 1
     vpp: Optional[int] = None
     sp: bool = False
+    ep: int = 1
 
     @property
     def parallel(self) -> bool:
-        return self.tp * self.pp > 1
+        return self.tp * self.pp * self.ep > 1
 
     def describe(self) -> str:
         return (f" tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{f' vpp{self.vpp}' if self.vpp else ''}"
-                if self.parallel else "")
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}" if self.parallel else "")
 
 
 def _config(size: Size, device: str, fp8: bool, dropout: float, layout: Layout = Layout()):
@@ -102,10 +113,18 @@ def _config(size: Size, device: str, fp8: bool, dropout: float, layout: Layout =
         hidden_dropout=dropout, attention_dropout=dropout, use_cpu_initialization=device == "cpu",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
+        **(dict(num_moe_experts=size.experts, moe_router_topk=size.topk, moe_ffn_hidden_size=size.moe_ffn,
+                moe_token_dispatcher_type="alltoall", expert_model_parallel_size=layout.ep, add_bias_linear=False)
+           if size.experts else {}),
     )
     if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
         cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = "hybrid", "delayed", 16, "max"
     return cfg
+
+
+def _moe_spec(size: Size) -> dict:
+    """`get_gpt_block_spec`'s MoE arguments: our grouped FP8 experts."""
+    return dict(num_experts=size.experts, moe_grouped_gemm=True) if size.experts else {}
 
 
 def _local_to_ours(name: str) -> str:
@@ -131,7 +150,8 @@ def _build_chunks(variant: str, size: Size, device: str, dropout: float, layout:
     chunks = []
     for v in range(layout.vpp or 1):
         stage = dict(vp_stage=v) if layout.vpp else {}
-        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, vp_stage=v if layout.vpp else None),
+        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, vp_stage=v if layout.vpp else None,
+                                                                                 **_moe_spec(size)),
                        vocab_size=size.vocab, max_sequence_length=size.seq,
                        pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
                        post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage), **stage)
@@ -150,7 +170,7 @@ def _build(variant: str, size: Size, device: str, dropout: float, weights: Optio
 
     cfg = _config(size, device, fp8=variant.startswith("fp8"), dropout=dropout)
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
-    spec = get_gpt_layer_local_spec() if variant == "local" else get_gpt_block_spec(cfg)
+    spec = get_gpt_layer_local_spec() if variant == "local" else get_gpt_block_spec(cfg, **_moe_spec(size))
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab, max_sequence_length=size.seq)
     model = Float16Module(cfg, gpt.to(device))
     if weights is not None:
@@ -267,7 +287,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     from fp8_parallel.megatron import fp8_context, recipe_from_config
 
     device = args.device
-    layout = Layout(args.tp, args.pp, args.vpp, args.sp)
+    layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     if layout.parallel:
         model, cfg = _build_chunks(variant, size, device, args.dropout, layout)
     else:
@@ -405,22 +425,30 @@ def main(argv: List[str]) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (with torchrun)")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--experts", type=int, default=0, help="MoE: experts per layer (0: dense)")
+    p.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
+    p.add_argument("--moe-ffn", type=int, default=0, help="MoE: an expert's FFN hidden size (default --ffn)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (with torchrun)")
     p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
                    help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
     args = p.parse_args(argv)
-    layout = Layout(args.tp, args.pp, args.vpp, args.sp)
-    variants = [v for v in args.variants.split(",") if v and not (layout.parallel and v == "local")]
+    layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
+    skipped = {"local"} if layout.parallel or args.experts else set()
+    skipped |= {"fp8_graphs"} if args.experts else set()
+    variants = [v for v in args.variants.split(",") if v and v not in skipped]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or args.warmup < 1 or args.steps < 1:
         p.error(f"variants {bad} (known: {VARIANTS}); warmup={args.warmup} and steps={args.steps} must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device (use --device cpu for a dry run)")
         return
-    size = Size(args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seq, args.mbs, args.micro)
+    size = Size(args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seq, args.mbs, args.micro,
+                args.experts, args.topk, args.moe_ffn or args.ffn)
 
     import parallel_state as ps
 
-    ps.initialize(tp=args.tp, pp=args.pp, vpp=args.vpp, backend="nccl" if args.device == "cuda" else "gloo")
+    ps.initialize(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                  backend="nccl" if args.device == "cuda" else "gloo")
     # the last rank reports: it is on the last pipeline stage, which alone has the losses
     rank0 = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     if rank0:

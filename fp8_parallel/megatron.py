@@ -134,6 +134,17 @@ class FP8SequentialMLP(SequentialMLP):
             return super().forward(*args, **kwargs)
 
 
+def _define_missing_te_general_gemm() -> None:
+    """megatron-core 0.16's MoE router (`moe_utils.router_gating_linear`) calls `te_general_gemm` when the name
+    is not None, and leaves it undefined when TransformerEngine is absent: every MoE forward on a GPU without
+    TransformerEngine then fails with NameError. Defined as None here (what megatron means: its own torch
+    GEMM); a TransformerEngine install keeps its function."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def get_gpt_layer_spec(
     num_experts: Optional[int] = None,
     moe_grouped_gemm: bool = False,
@@ -170,6 +181,7 @@ def get_gpt_layer_spec(
             linear_fc1=LayerNormColumnParallelLinear, linear_fc2=RowParallelLinear))
         pre_mlp_norm = IdentityOp
     else:
+        _define_missing_te_general_gemm()  # the router would fail on GPUs without TransformerEngine
         if moe_grouped_gemm:
             from .modules.grouped import FP8GroupedMLP
 

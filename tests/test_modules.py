@@ -116,3 +116,28 @@ def test_leaf_input_is_kept_by_reference_and_recast_in_backward(recipe):
     assert torch.equal(y1, y2) and torch.equal(g1, g2)
     for k in s1:
         assert torch.equal(s1[k], s2[k]), k
+
+
+def test_moe_spec_lets_megatrons_router_run_without_transformer_engine(monkeypatch):
+    """megatron-core 0.16's router GEMM names `te_general_gemm`, undefined without TransformerEngine (NameError
+    on every MoE forward on a GPU; on CPU `cpu_compat` defines it). Building an MoE spec defines it as None,
+    which selects megatron's torch GEMM: the router logits then equal float64's `x @ W.T`."""
+    import os
+
+    from megatron.core.transformer.moe import moe_utils
+
+    from fp8_parallel.megatron import get_gpt_layer_spec
+
+    if getattr(moe_utils, "te_general_gemm", None) is not None:
+        pytest.skip("TransformerEngine is installed: megatron uses its GEMM")
+    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    monkeypatch.delattr(moe_utils, "te_general_gemm")  # restored as it was after the test
+    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
+    print(f"seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(6, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(x, w, None, torch.float32)
+    get_gpt_layer_spec(num_experts=4)
+    logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    torch.testing.assert_close(logits.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-5)

@@ -101,6 +101,7 @@ class _Experts(torch.nn.Module):
         self.first = True if cache_weights else None  # is_first_microbatch: True once, then False (cached casts)
         self.fc1 = fp.GroupedLinear(e, d, f, bias=False, params_dtype=torch.bfloat16, device="cuda")
         self.fc2 = fp.GroupedLinear(e, f, d, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        self.fc1.use_grouped_gemm = self.fc2.use_grouped_gemm = True  # GROUPED_GEMM decides per variant
         self.fp8, self.bf16_impl, self.e = fp8, bf16_impl, e
         self.recipe = fp.DelayedScaling(fp8_format=fp8_format, amax_history_len=16)
 

@@ -67,6 +67,7 @@ def _emulated_grouped_mm(calls: List[int]):
 
 def _module(gen: torch.Generator, device: str, **kwargs) -> te.GroupedLinear:
     lin = te.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device=device, params_dtype=torch.bfloat16, **kwargs)
+    lin.use_grouped_gemm = True  # TransformerEngine's module keeps per-GEMM results unless asked
     with torch.no_grad():
         for p in lin.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * IN**-0.5)
@@ -163,8 +164,9 @@ def test_grouped_path_matches_per_expert_path_emulated(rname, monkeypatch):
 
 
 def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
-    """Biases, a float32 input, delayed weight gradients, FP8 off and checkpointed regions take the
-    per-expert GEMMs; a no_grad call takes the grouped one and its output equals a grad call's."""
+    """Biases, a float32 input, delayed weight gradients, FP8 off, checkpointed regions and a
+    TransformerEngine-signature module not asking for it take the per-expert GEMMs; a no_grad call takes the
+    grouped one and its output equals a grad call's."""
     calls: List[int] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
     monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
@@ -190,7 +192,10 @@ def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
             y_no_grad = plain(x, SPLITS)
     assert torch.equal(y_grad, y_no_grad) and not y_no_grad.requires_grad, f"seed {seed}"
     biased = te.GroupedLinear(len(SPLITS), IN, OUT, bias=True, device="cpu", params_dtype=torch.bfloat16)
+    biased.use_grouped_gemm = True
     assert calls_of(biased, x) == 0
+    default = te.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device="cpu", params_dtype=torch.bfloat16)
+    assert calls_of(default, x) == 0, "TransformerEngine's GroupedLinear is per-GEMM (bitwise) by default"
     assert calls_of(plain, x.float()) == 0
     assert calls_of(_module(gen, "cpu", delay_wgrad_compute=True), x) == 0
     assert calls_of(plain, x, enabled=False) == 0

@@ -6,7 +6,8 @@ also with no rows (its input and grad_output amaxes are then 0, which leaves the
 amax slots a module registers depend on the model only, never on routing: all ranks of an amax domain
 register the same slots in the same order whatever tokens each expert got.
 
-Grouped GEMM. Where torch's grouped FP8 GEMM runs (CUDA compute capability 9.0 or 10.0; bfloat16 input,
+Grouped GEMM (`grouped_gemm=True`: megatron's expert layer; TransformerEngine's `GroupedLinear` only with
+`use_grouped_gemm`, since TransformerEngine promises per-GEMM results bit for bit). Where torch's grouped FP8 GEMM runs (CUDA compute capability 9.0 or 10.0; bfloat16 input,
 no biases, features multiples of 16, no delayed weight gradients, outside checkpointed regions, no FP8
 weights) the experts run as one autograd Function (`_grouped_gemm.py`): the forward GEMMs as one grouped
 GEMM, and with delayed scaling each direction's casts in one launch. Which path runs never depends on
@@ -24,7 +25,7 @@ from ._core import FP8State, _plan, _settle_backward, cast_weight, features_unal
 from ._grouped_gemm import GroupedFP8Linear, cumulative, device_has_grouped_gemm
 from ._recompute import checkpoint_region
 
-GROUPED_GEMM = True  # the experts' forward as one grouped FP8 GEMM where it applies (False: per-expert GEMMs)
+GROUPED_GEMM = True  # False: never the grouped FP8 GEMM, whatever a module asks for (per-expert GEMMs)
 
 
 def expert_states(num_gemms: int, tag: str, device: Optional[torch.device],
@@ -63,16 +64,19 @@ def grouped_fp8_linear(
     is_first_microbatch: Optional[bool] = None,
     wgrad_in_fp8: bool = True,
     wgrad_stores: Optional[Sequence[Any]] = None,
+    grouped_gemm: bool = False,
 ) -> torch.Tensor:
     """Expert `i` (`weights[i]`, `biases[i]`, `states[i]`) on rows `sum(splits[:i]) : sum(splits[:i+1])` of `x`
     (split along its first dimension; `splits` checked by `check_splits`), the blocks concatenated again.
 
     Every expert runs, also one without rows (see the module docstring): its output block is empty and its
     weight and bias gradients zero. `is_first_microbatch` caches each expert's weight cast as `fp8_linear` does;
-    `wgrad_stores[i]` delays expert `i`'s weight gradient (see `fp8_linear`).
+    `wgrad_stores[i]` delays expert `i`'s weight gradient (see `fp8_linear`). `grouped_gemm`: run as one
+    grouped FP8 GEMM where it applies (see the module docstring); its results differ from the per-expert
+    GEMMs' by rounding.
     """
     stores = list(wgrad_stores) if wgrad_stores is not None else [None] * len(weights)
-    if _grouped_gemm_applies(x, weights, biases, stores):
+    if grouped_gemm and _grouped_gemm_applies(x, weights, biases, stores):
         return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
             for chunk, w, b, st, store in zip(torch.split(x, list(splits), dim=0), weights, biases, states, stores)]

@@ -82,7 +82,7 @@ class GroupedLinear(torch.nn.Module):
         n = self.num_gemms
         return grouped_fp8_linear(x, splits, [getattr(self, f"weight{i}") for i in range(n)],
                                   [getattr(self, f"bias{i}") for i in range(n)], self.fp8, first,
-                                  getattr(self.config, "fp8_wgrad", True))
+                                  getattr(self.config, "fp8_wgrad", True), grouped_gemm=True)
 
 
 class FP8GroupedMLP(MegatronModule):

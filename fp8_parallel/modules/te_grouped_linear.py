@@ -61,7 +61,14 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
     `in_features` / `out_features` hold this rank's sizes, as in TransformerEngine.
 
     Forward: `forward(inp, m_splits, is_first_microbatch=None)` (see `forward`).
+
+    `use_grouped_gemm` (attribute, default False): run the GEMMs as one grouped FP8 GEMM where torch offers one
+    (`modules/_grouped_core.py`). Off by default because TransformerEngine's contract is that a GroupedLinear
+    equals one `Linear` per GEMM bit for bit (its own tests assert it), and the grouped GEMM rounds
+    differently; megatron's expert layer (`FP8GroupedMLP`) uses it.
     """
+
+    use_grouped_gemm: bool = False
 
     def __init__(
         self,
@@ -169,7 +176,8 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
         weights = [weight_for_gemm(w, self.fuse_wgrad_accumulation, "GroupedLinear", f"weight{i}")
                    for i, w in enumerate(self._weights())]
         stores = [self._wgrad_store(f"weight{i}") for i in range(self.num_gemms)]
-        y = grouped_fp8_linear(x, splits, weights, biases, self.fp8, is_first_microbatch, wgrad_stores=stores)
+        y = grouped_fp8_linear(x, splits, weights, biases, self.fp8, is_first_microbatch, wgrad_stores=stores,
+                               grouped_gemm=self.use_grouped_gemm)
         y = y.reshape(*inp.shape[:-1], y.shape[-1])
         if self.return_bias:
             return y, [None if b is None else b.to(y.dtype) for b in self._biases()]

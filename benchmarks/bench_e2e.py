@@ -214,9 +214,11 @@ def category(kernel: str) -> str:
         return "communication"
     if any(s in k for s in ("flash", "fmha", "attention", "attn", "sdpa", "cudnn_generated_fort_native_sdpa")):
         return "attention"
+    if any(s in k for s in ("gemm", "nvjet", "cutlass")):  # before the FP8 names: FP8 GEMMs name their dtypes
+        return "GEMM"
     if any(s in k for s in ("quant", "amax", "cast_transpose", "_cast", "float8", "fp8", "scale_update")):
         return "quantize"
-    if any(s in k for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mm_", "sm90_", "wgmma")):
+    if any(s in k for s in ("xmma", "cublas", "matmul", "_mm_", "sm90_", "wgmma")):
         return "GEMM"
     if any(s in k for s in ("adam", "multi_tensor", "foreach", "optimizer")):
         return "optimizer"

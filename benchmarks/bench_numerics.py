@@ -7,7 +7,7 @@ import torch
 
 from common import bench_ms, copy_bandwidth_gbs, dump, graph_ms, record
 from fp8_parallel.gemm import fp8_gemm
-from fp8_parallel.quantize import quantize
+from fp8_parallel.quantize import quantize, quantize_row_blocks
 
 
 def bench_quantize() -> None:
@@ -27,6 +27,27 @@ def bench_quantize() -> None:
         for how, ms in (("graph", graph_ms(call)), ("eager", bench_ms(call, inner=10))):
             gbs = nbytes / (ms * 1e-3) / 1e9
             record("quantize", f"16384x4096 {name} ({how})", "GB/s", gbs, "copy bandwidth", gbs / copy_gbs)
+
+
+def bench_row_blocks() -> None:
+    """The experts' cast (`quantize_row_blocks`: 8 row blocks of uneven sizes, each with its own scale and
+    amax slot, one launch, outputs allocated per call as the grouped experts do) against one per-tensor fused
+    cast of the same tensor, both with the transpose."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n in ((16384, 2048), (16384, 4096)):
+        splits = torch.bincount(torch.multinomial(torch.rand(8, generator=gen) + 0.5, m, True, generator=gen),
+                                minlength=8).tolist()
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        scales = [torch.full((1,), 40.0, device="cuda") for _ in splits]
+        slots = [torch.zeros(1, device="cuda") for _ in splits]
+        nbytes = x.numel() * 4
+        whole = bench_ms(lambda: quantize(x, scales[0], torch.float8_e4m3fn, amax_out=slots[0], with_transpose=True),
+                         inner=10)
+        for layout, one_matrix in (("per-block transposes", False), ("one transposed matrix", True)):
+            ms = bench_ms(lambda: quantize_row_blocks(x, splits, scales, slots, torch.float8_e4m3fn, True,
+                                                      one_matrix=one_matrix), inner=10)
+            record("quantize", f"{m}x{n} 8 row blocks +T, {layout}", "GB/s", nbytes / (ms * 1e-3) / 1e9,
+                   "one per-tensor cast +T", whole / ms)
 
 
 def bench_gemm() -> None:
@@ -54,5 +75,6 @@ def bench_gemm() -> None:
 
 if __name__ == "__main__":
     bench_quantize()
+    bench_row_blocks()
     bench_gemm()
     dump(sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl")

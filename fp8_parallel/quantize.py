@@ -158,8 +158,9 @@ class RowBlocks:
     `one_matrix`, columns `padded_start_e ...` of one `[N, padded_total]` matrix (a grouped GEMM's operand
     with its groups along the columns; there an empty block gets 16 zero columns); `sinv [E * SINV_STRIDE]`
     (1 / scale of block e at `e * SINV_STRIDE`: every scale_inv 16-byte aligned, as cuBLAS's FP8 GEMM requires
-    of its scale pointers); `row_sinv [M]` (each row's block's); and the device table `[5, E]` (scale
-    addresses, amax slot addresses, row ends, padded starts, padded rows) the fused kernel reads."""
+    of its scale pointers); `row_sinv [M]` (each row's block's); and the device table `[6, E]` (scale
+    addresses, amax slot addresses, row ends, padded starts, padded rows, first kernel tiles) the fused kernel
+    reads."""
 
     data: torch.Tensor
     transposes: Optional[torch.Tensor]
@@ -202,32 +203,39 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
     (one element) into `amax_slots[e]`, in one pass: on CUDA one fused kernel for all blocks (16-bit inputs),
     elsewhere `quantize` per block; the same bytes either way (see `RowBlocks` for the layout)."""
     from .gemm import ALIGN
+    from .triton_kernels import BLOCKS_TILE_M
 
     x2 = x.detach()
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape
     device = x2.device
-    starts, padded_starts, padded_rows, total, padded_total = [], [], [], 0, 0
+    starts, padded_starts, padded_rows, first_tiles, total, padded_total, tiles = [], [], [], [], 0, 0, 0
     for m in splits:
         starts.append(total)
         padded_starts.append(padded_total)
         padded_rows.append(max(-(-m // ALIGN) * ALIGN, ALIGN if one_matrix else 0))
+        first_tiles.append(tiles)
         total += m
         padded_total += padded_rows[-1]
+        tiles += -(-m // BLOCKS_TILE_M)
+    fused = not force_torch and x2.element_size() == 2 and M > 0 and _use_triton(x2)
     data = torch.empty((M, N), dtype=fp8_dtype, device=device)
-    transposes = torch.zeros(padded_total * N, dtype=fp8_dtype, device=device) if with_transpose else None
+    transposes = None
+    if with_transpose:  # the fused kernel writes every padding but an empty block's; the torch path none
+        written = fused and not (one_matrix and 0 in splits)
+        transposes = (torch.empty if written else torch.zeros)(padded_total * N, dtype=fp8_dtype, device=device)
     sinv = torch.empty(len(splits) * SINV_STRIDE, dtype=torch.float32, device=device)
     row_sinv = torch.empty(M, dtype=torch.float32, device=device)
     table = torch.tensor([[s.data_ptr() for s in scales], [a.data_ptr() for a in amax_slots],
-                          [s + m for s, m in zip(starts, splits)], padded_starts, padded_rows],
+                          [s + m for s, m in zip(starts, splits)], padded_starts, padded_rows, first_tiles],
                          dtype=torch.int64).to(device, non_blocking=True)
     blocks = RowBlocks(data, transposes, sinv, row_sinv, table, starts, list(splits), padded_starts, padded_rows,
                        x.dtype, one_matrix)
-    if not force_torch and x2.element_size() == 2 and _use_triton(x2) and M > 0:
+    if fused:
         from .triton_kernels import quantize_blocks_2d
 
-        quantize_blocks_2d(x2, table, data, transposes, sinv, row_sinv, padded_total, one_matrix)
+        quantize_blocks_2d(x2, table, data, transposes, sinv, row_sinv, padded_total, tiles, one_matrix)
         return blocks
     for e, (start, m) in enumerate(zip(starts, splits)):
         out = blocks.block(e)

@@ -149,51 +149,57 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
     @triton.jit
     def _quantize_blocks_kernel(
         x_ptr, data_ptr, t_ptr, table_ptr, sinv_ptr, row_sinv_ptr,
-        M, N, stride_xm, fp8_max, padded_total,
+        N, stride_xm, fp8_max, padded_total,
         E: tl.constexpr, SINV_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         WITH_T: tl.constexpr, ONE_MATRIX: tl.constexpr,
     ):
         """The fused cast of consecutive row blocks of x, block e with its own scale and amax slot.
 
-        `table_ptr`: int64 `[5, E]`: the blocks' scale addresses, amax slot addresses, row ends, padded starts
-        and padded rows. Block e's transpose is stored in the first rows_e columns of `[N, padded_rows_e]` at
-        `t_ptr + N * padded_start_e`, or (ONE_MATRIX) in columns `padded_start_e ...` of one
-        `[N, padded_total]` matrix; the padding stays as allocated (zeros). `row_sinv[r]` gets 1 / scale of r's block;
-        `sinv[SINV_STRIDE * e]` 1 / scale_e (16-byte aligned, see `quantize.RowBlocks`)."""
-        pid_m = tl.program_id(0)
+        `table_ptr`: int64 `[6, E]`: the blocks' scale addresses, amax slot addresses, row ends, padded starts,
+        padded rows and first tiles. A program casts one tile of BLOCK_M rows of one block (block e owns tiles
+        `first_e ...`), so its scale and amax slot are one each, and the rows of its transposed tile are
+        contiguous in the transpose (coalesced stores). Block e's transpose is stored in the first rows_e
+        columns of `[N, padded_rows_e]` at `t_ptr + N * padded_start_e`, or (ONE_MATRIX) in columns
+        `padded_start_e ...` of one `[N, padded_total]` matrix; its padding columns are written with zeros
+        (an empty block's, which no tile covers, stay as allocated).
+        `row_sinv[r]` gets 1 / scale of r's block; `sinv[SINV_STRIDE * e]` 1 / scale_e (16-byte aligned, see
+        `quantize.RowBlocks`)."""
+        pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_m < M
-        block = tl.zeros([BLOCK_M], dtype=tl.int64)
-        for j in tl.static_range(E):
-            block += (offs_m >= tl.load(table_ptr + 2 * E + j)).to(tl.int64)
-        block = tl.minimum(block, E - 1)
+        block = 0
+        for j in tl.static_range(1, E):
+            block += (tl.load(table_ptr + 5 * E + j) <= pid_t).to(tl.int32)
         end = tl.load(table_ptr + 2 * E + block)
-        start = tl.load(table_ptr + 2 * E + block - 1, mask=block > 0, other=0)
+        start = tl.where(block > 0, tl.load(table_ptr + 2 * E + tl.maximum(block - 1, 0)), 0)
+        local = (pid_t - tl.load(table_ptr + 5 * E + block)) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows in the block
+        offs_m = start + local
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_m < end
         scale = tl.load(tl.load(table_ptr + block).to(tl.pointer_type(tl.float32)))
         mask = row_ok[:, None] & (offs_n[None, :] < N)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.clamp(x * scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
         y8 = y.to(data_ptr.dtype.element_ty)
         tl.store(data_ptr + offs_m[:, None] * N + offs_n[None, :], y8, mask=mask)
-        if WITH_T:
-            padded_start = tl.load(table_ptr + 3 * E + block)
-            column = (padded_start + offs_m - start)[:, None]  # the row's column in the padded transpose
+        if WITH_T:  # the transposed tile, its rows contiguous (the block's rows): the writes coalesce
+            padded_start = tl.multiple_of(tl.load(table_ptr + 3 * E + block), 16)
+            padded_rows = tl.multiple_of(tl.load(table_ptr + 4 * E + block), 16)
             if ONE_MATRIX:  # one [N, padded_total] matrix, block e in columns padded_start_e ...
-                t_off = offs_n[None, :].to(tl.int64) * padded_total + column
+                t_off = offs_n[:, None].to(tl.int64) * padded_total + (padded_start + local)[None, :]
             else:  # block e's own [N, padded_rows_e] matrix from element N * padded_start_e
-                padded_rows = tl.load(table_ptr + 4 * E + block)
-                t_off = padded_start[:, None] * N + offs_n[None, :].to(tl.int64) * padded_rows[:, None] + column \
-                    - padded_start[:, None]
-            tl.store(t_ptr + t_off, y8, mask=mask)
+                t_off = padded_start * N + offs_n[:, None].to(tl.int64) * padded_rows + local[None, :]
+            # the block's padding rows too (zeros: masked out of the load), so the mask is constant over 16
+            # rows and the stores vectorize (a mask at the block's end, not a multiple of 16, would split them
+            # into single bytes: measured 5x slower)
+            t_mask = (offs_n[:, None] < N) & (local[None, :] < padded_rows)
+            tl.store(t_ptr + t_off, tl.trans(y8), mask=t_mask)
         ax = tl.abs(x)
         ax = tl.where(ax != ax, float("inf"), ax)  # NaN -> +inf: recorded as non-finite
         amax_ptr = tl.load(table_ptr + E + block).to(tl.pointer_type(tl.float32))
-        tl.atomic_max(amax_ptr, tl.max(ax, axis=1), mask=row_ok)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(ax, axis=1), axis=0))  # one atomic per tile
         if pid_n == 0:  # IEEE division, as `quantize`
-            tl.store(row_sinv_ptr + offs_m, tl.math.div_rn(1.0, scale), mask=row_ok)
-        if (pid_m == 0) & (pid_n == 0):
+            tl.store(row_sinv_ptr + offs_m, tl.zeros([BLOCK_M], tl.float32) + tl.math.div_rn(1.0, scale), mask=row_ok)
+        if (pid_t == 0) & (pid_n == 0):
             for j in tl.static_range(E):
                 scale_j = tl.load(tl.load(table_ptr + j).to(tl.pointer_type(tl.float32)))
                 tl.store(sinv_ptr + SINV_STRIDE * j, tl.math.div_rn(1.0, scale_j))
@@ -228,22 +234,26 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         tl.store(count_ptr, tl.load(count_ptr) + nonfinite.to(tl.int64))
 
 
+BLOCKS_TILE_M = 64  # rows per program of `_quantize_blocks_kernel` (a block's tiles: ceil(rows / this))
+
+
 def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor, transposes: Optional[torch.Tensor],
-                       sinv: torch.Tensor, row_sinv: torch.Tensor, padded_total: int, one_matrix: bool) -> None:
+                       sinv: torch.Tensor, row_sinv: torch.Tensor, padded_total: int, tiles: int,
+                       one_matrix: bool) -> None:
     """`_quantize_blocks_kernel` over `x2: [M, N]` (16-bit, last dimension contiguous); `table` as the kernel
-    says, on the device; `transposes`: a zeroed flat buffer of `padded_total * N` elements, or None."""
+    says, on the device, `tiles` the blocks' tiles of `BLOCKS_TILE_M` rows in all; `transposes`: a flat buffer of
+    `padded_total * N` elements (zeroed where an empty block's padding is), or None."""
     from .quantize import SINV_STRIDE
     from .recipe import fp8_max
 
-    M, N = x2.shape
+    N = x2.shape[1]
     E = table.shape[-1]
-    block_m, block_n = 64, 128
-    grid = (-(-M // block_m), -(-N // block_n))
+    block_n = 128
     _QUANTIZE_BLOCKS(
-        grid,
-        (x2, data, transposes if transposes is not None else data, table, sinv, row_sinv, M, N, x2.stride(0),
+        (tiles, -(-N // block_n)),
+        (x2, data, transposes if transposes is not None else data, table, sinv, row_sinv, N, x2.stride(0),
          fp8_max(data.dtype), padded_total),
-        (E, SINV_STRIDE, block_m, block_n, transposes is not None, one_matrix),
+        (E, SINV_STRIDE, BLOCKS_TILE_M, block_n, transposes is not None, one_matrix),
         num_warps=4,
     )
 

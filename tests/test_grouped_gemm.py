@@ -18,7 +18,7 @@ import torch
 
 import fp8_parallel as te
 from fp8_parallel import recipe
-from fp8_parallel.modules import _grouped_core
+from fp8_parallel.modules import _grouped_core, _grouped_gemm
 from te_testing import rel_error as _rel, seed_for as _seed
 
 IN, OUT = 64, 48
@@ -159,8 +159,21 @@ def test_grouped_path_matches_per_expert_path_emulated(rname, monkeypatch):
     misaligned = []
     real_aligned = gemm._aligned
     monkeypatch.setattr(gemm, "_aligned", lambda t: misaligned.append(t.data_ptr() % 16) or real_aligned(t))
+    direct, real_direct = [], _grouped_gemm._direct_expert_backward
+    monkeypatch.setattr(_grouped_gemm, "_direct_expert_backward", lambda *a: direct.append(1) or real_direct(*a))
+    real_mm = torch._scaled_mm
+
+    def checked_mm(a, b, *args, **kwargs):  # every GEMM operand and scale, the direct backward's included
+        for t in (a, b, kwargs.get("scale_a"), kwargs.get("scale_b")):
+            misaligned.append(t.data_ptr() % 16)
+        return real_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked_mm)
     _compare(rname, "cpu", monkeypatch, calls)
     assert misaligned and not any(misaligned), "an FP8 GEMM operand or scale_inv needed an aligning copy"
+    # HYBRID with delayed scaling and cached weights (steps 0 and 1): the direct per-expert backward, which
+    # `_compare` found bit for bit equal to the per-expert path's
+    assert len(direct) == (2 if rname == "delayed-hybrid" else 0), f"direct backward ran {len(direct)} times"
 
 
 def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
@@ -285,3 +298,36 @@ def test_e4m3_backward_is_grouped_only_when_every_weight_takes_a_gradient(monkey
     assert frozen.weight1.grad is None
     for what, a, b in zip(("input grad", "weight0 grad", "weight2 grad"), *grads):
         _close(a, b, what, f"(seed {seed})")
+
+
+def test_direct_hybrid_backward_frozen_expert_and_constant_input(monkeypatch):
+    """HYBRID with cached weights takes the direct per-expert backward also with a frozen expert weight (no
+    gradient for it) and with an input that needs no gradient (weight gradients only); both equal the
+    per-expert path bit for bit."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm([]), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    direct, real_direct = [], _grouped_gemm._direct_expert_backward
+    monkeypatch.setattr(_grouped_gemm, "_direct_expert_backward", lambda *a: direct.append(1) or real_direct(*a))
+    seed = _seed("direct-hybrid-frozen")
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(sum(SPLITS), IN, generator=gen) * 2).to(torch.bfloat16)
+    dy = torch.randn(sum(SPLITS), OUT, generator=gen).to(torch.bfloat16)
+    for input_grad in (True, False):
+        grouped, per_expert = _twins(seed, "cpu")
+        results = []
+        for lin, use_grouped in ((grouped, True), (per_expert, False)):
+            lin.weight2.requires_grad_(False)  # an expert with rows
+            monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", use_grouped)
+            xi = x.clone().requires_grad_(input_grad)
+            with te.autocast(enabled=True, recipe=RECIPES["delayed-hybrid"]):
+                y = lin(xi, SPLITS, is_first_microbatch=True)
+            y.backward(dy)
+            assert lin.weight2.grad is None
+            results.append((xi.grad, *(getattr(lin, f"weight{i}").grad for i in (0, 1, 3))))
+        where = f"input_grad={input_grad} (seed {seed})"
+        assert (results[0][0] is None) == (not input_grad), where
+        for what, a, b in zip(("input grad", "weight0 grad", "weight1 grad (no rows)", "weight3 grad"), *results):
+            if a is None and b is None:
+                continue
+            _equal(a, b, what, where)
+    assert len(direct) == 2, f"direct backward ran {len(direct)} times (seed {seed})"

@@ -6,11 +6,12 @@ stacked, and the per-tensor scales become the GEMM's row-wise scales (one per to
 output feature).
 
 Backward: with delayed scaling all experts' grad_outputs are cast in one launch. The GEMMs are grouped when
-their operands are E4M3 (the E4M3 format; torch's grouped FP8 GEMM takes no E5M2, so HYBRID's gradients run
-one GEMM per expert, `linear_backward` as `fp8_linear`'s) and every expert's weight takes a bfloat16
-gradient in FP8: the input gradient as one grouped GEMM over the rows, the weight gradients as one grouped
-GEMM contracting over each expert's rows (its operands, the inputs' and grad_outputs' transposes, stored as
-one matrix each with every expert's rows padded to 16 with zeros).
+their operands are E4M3 (the E4M3 format) and every expert's weight takes a bfloat16 gradient in FP8: the input
+gradient as one grouped GEMM over the rows, the weight gradients as one grouped GEMM contracting over each
+expert's rows (its operands, the inputs' and grad_outputs' transposes, stored as one matrix each with every
+expert's rows padded to 16 with zeros). torch's grouped FP8 GEMM takes no E5M2, so HYBRID's gradients run one
+GEMM per expert: issued straight from the grad cast's views when every weight's FP8 transpose is cached
+(`_direct_expert_backward`), else through `linear_backward` as `fp8_linear`'s.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..quantize import RowBlocks, quantize_row_blocks
+from ..gemm import _aligned
+from ..quantize import SINV_STRIDE, RowBlocks, quantize_row_blocks
 from ..tensor import Float8Tensor
 from ._core import (SAVED_PER_LINEAR, _backward_done, _backward_slot, _weight_transposed, backward_outside_autocast,
                     linear_backward, linear_operands)
@@ -144,6 +146,8 @@ class GroupedFP8Linear(torch.autograd.Function):
         records, splits = ctx.records, ctx.splits
         if ctx.grouped_backward:
             return (None, *_grouped_backward_gemms(ctx, saved, grad_out, n))
+        if _direct_backward_applies(records, ctx.needs_input_grad[1 : 1 + n]):
+            return (None, *_direct_expert_backward(ctx, saved, grad_out, n))
         grads_out = torch.split(grad_out, splits, dim=0)
         casts = _grad_casts(records, grad_out, splits, ctx.needs_input_grad[1 + n :])
         grad_x: List[Optional[torch.Tensor]] = [None] * n
@@ -191,3 +195,47 @@ def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor, n: int):
     for r in reversed(records):
         _backward_done(r.plan)
     return (*grad_x, *dw.unbind(0))
+
+
+def _direct_backward_applies(records: Sequence[Any], needs_input_grad: Sequence[bool]) -> bool:
+    """Whether `_direct_expert_backward` serves this backward: delayed scaling, FP8 weight gradients, and each
+    expert's FP8 weight transpose cached (or its input gradient not needed)."""
+    return _delayed([r.plan for r in records]) and all(
+        r.wgrad_in_fp8 and (not need or (r.cached_weight is not None and r.cached_weight[0] is not None))
+        for r, need in zip(records, needs_input_grad))
+
+
+def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor, n: int):
+    """The per-expert backward GEMMs (HYBRID: E5M2 gradients, which torch's grouped GEMM does not take) issued
+    straight from the one-launch grad cast's views: the GEMMs, operands, scales and order of `linear_backward`
+    per expert (so the same bytes), without a Float8Tensor or an `fp8_gemm` check per operand. The grouped
+    path guarantees what that generality is for here: aligned features and 16-byte aligned views (`RowBlocks`),
+    no biases, no sequence parallelism, no delayed weight gradients."""
+    records, splits = ctx.records, ctx.splits
+    needs_x, needs_w = ctx.needs_input_grad[1 : 1 + n], ctx.needs_input_grad[1 + n :]
+    g = _backward_blocks(records, grad_out, splits, any(needs_w), one_matrix=False)
+    n_out = grad_out.shape[-1]
+    grad_x: List[Optional[torch.Tensor]] = [None] * n
+    grad_w: List[Optional[torch.Tensor]] = [None] * n
+    for i in reversed(range(n)):  # the last expert first, as autograd runs the per-expert calls' nodes
+        r, m, start = records[i], splits[i], g.starts[i]
+        g_sinv = g.sinv[i * SINV_STRIDE]
+        if needs_x[i]:
+            qw_t, qw_sinv = r.cached_weight
+            k = qw_t.shape[0]
+            if m == 0:
+                dx = torch.zeros((0, k), dtype=r.x_dtype, device=grad_out.device)
+            else:
+                dx = torch._scaled_mm(g.data[start : start + m], qw_t.t(), scale_a=g_sinv,
+                                      scale_b=_aligned(qw_sinv.reshape(()).float()), out_dtype=r.x_dtype)
+            grad_x[i] = dx.view(r.x_shape)
+        if needs_w[i]:
+            x_t, x_sinv = saved[i * SAVED_PER_LINEAR], saved[i * SAVED_PER_LINEAR + 3]
+            ps, pm = g.padded_starts[i], g.padded_rows[i]
+            if pm == 0:
+                grad_w[i] = torch.zeros((n_out, x_t.shape[0]), dtype=r.w_dtype, device=grad_out.device)
+            else:
+                g_t = g.transposes[n_out * ps : n_out * (ps + pm)].view(n_out, pm)
+                grad_w[i] = torch._scaled_mm(g_t, x_t.t(), scale_a=g_sinv, scale_b=x_sinv, out_dtype=r.w_dtype)
+        _backward_done(r.plan)
+    return (*grad_x, *grad_w)

@@ -331,3 +331,74 @@ def test_direct_hybrid_backward_frozen_expert_and_constant_input(monkeypatch):
                 continue
             _equal(a, b, what, where)
     assert len(direct) == 2, f"direct backward ran {len(direct)} times (seed {seed})"
+
+
+def _bf16_grouped_cases(device: str, monkeypatch) -> None:
+    """Without FP8 the experts run as one bfloat16 `torch._grouped_mm` (counted), equal to the per-expert GEMMs
+    within bfloat16 rounding and close to float64; the cases it cannot serve take the per-expert GEMMs."""
+    grouped_calls: List[int] = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: grouped_calls.append(1) or real(*a, **k))
+    seed = _seed(f"bf16-grouped/{device}")
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(SPLITS)
+    x = (torch.randn(rows, IN, generator=gen) * 2).to(device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows, OUT, generator=gen).to(device=device, dtype=torch.bfloat16)
+    grouped, per_expert = _twins(seed, device)
+    results = []
+    for lin, use_grouped in ((grouped, True), (per_expert, False)):
+        monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", use_grouped)
+        before = len(grouped_calls)
+        xi = x.clone().requires_grad_()
+        with te.autocast(enabled=False):
+            y = lin(xi, SPLITS)
+        y.backward(dy)
+        assert len(grouped_calls) - before == (1 if use_grouped else 0), f"seed {seed}"
+        results.append((y, xi.grad, *(getattr(lin, f"weight{i}").grad for i in range(len(SPLITS)))))
+    where = f"(seed {seed})"
+    names = ["output", "input grad", *(f"weight{i} grad" for i in range(len(SPLITS)))]
+    for name, a, b in zip(names, *results):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape, f"{name} {where}"
+        if b.abs().max() == 0:  # the expert without rows: a zero gradient
+            assert torch.equal(a, b), f"{name} {where}"
+        else:
+            assert _rel(a, b) < 1e-2, f"{name} {_rel(a, b):.2e} from the per-expert GEMMs {where}"
+    assert torch.equal(results[0][3], torch.zeros_like(results[0][3])), f"weight1 has no rows {where}"
+    x64 = x.double().requires_grad_()
+    ws = [getattr(per_expert, f"weight{i}").detach().double().requires_grad_() for i in range(len(SPLITS))]
+    y64 = torch.cat([xi @ w.t() for xi, w in zip(torch.split(x64, SPLITS), ws)])
+    y64.backward(dy.double())
+    for name, a, b in zip(names, results[0], (y64, x64.grad, *(w.grad for w in ws))):
+        if b.abs().max() > 0:
+            assert _rel(a, b) < 2e-2, f"{name} {_rel(a, b):.2e} from float64 {where}"
+    # where it cannot serve: FP8 on, biases, float32 input, no rows, delayed wgrad, a checkpointed region, and
+    # TransformerEngine's module not asking for the grouped GEMM
+    monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm([]), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda d: True)
+    before = len(grouped_calls)
+    with te.autocast(enabled=True, recipe=RECIPES["delayed-hybrid"]):
+        grouped(x, SPLITS)
+    biased = te.GroupedLinear(len(SPLITS), IN, OUT, bias=True, device=device, params_dtype=torch.bfloat16)
+    biased.use_grouped_gemm = True
+    biased(x, SPLITS)
+    grouped(x.float(), SPLITS)
+    grouped(x[:0], [0] * len(SPLITS))
+    _module(gen, device, delay_wgrad_compute=True)(x, SPLITS)
+    te.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device=device, params_dtype=torch.bfloat16)(x, SPLITS)
+    torch.utils.checkpoint.checkpoint(lambda t: grouped(t, SPLITS), x.clone().requires_grad_(), use_reentrant=False)
+    assert len(grouped_calls) == before, f"{len(grouped_calls) - before} bfloat16 grouped GEMMs where none may run"
+
+
+def test_bf16_grouped_gemm_without_fp8(monkeypatch):
+    """CPU: torch's bfloat16 grouped GEMM (real, on CPU) serves the experts without FP8 where the device allows."""
+    monkeypatch.setattr(_grouped_core, "device_has_bf16_grouped_gemm", lambda device: True)
+    _bf16_grouped_cases("cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_grouped_gemm_without_fp8(monkeypatch):
+    """The bfloat16 grouped GEMM on the GPU against the per-expert GEMMs and float64."""
+    if not _grouped_core.device_has_bf16_grouped_gemm(torch.device("cuda")):
+        pytest.skip("torch._grouped_mm does not serve the experts on this GPU (needs compute capability 9.0 or 10.0)")
+    _bf16_grouped_cases("cuda", monkeypatch)

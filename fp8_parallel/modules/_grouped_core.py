@@ -11,7 +11,10 @@ Grouped GEMM (`grouped_gemm=True`: megatron's expert layer; TransformerEngine's 
 no biases, features multiples of 16, no delayed weight gradients, outside checkpointed regions, no FP8
 weights) the experts run as one autograd Function (`_grouped_gemm.py`): the forward GEMMs as one grouped
 GEMM, and with delayed scaling each direction's casts in one launch. Which path runs never depends on
-routing, so the slot layout is the same on every rank.
+routing, so the slot layout is the same on every rank. Without FP8 (no enabled scope; bfloat16 input and
+weights, no biases, features multiples of 16, no delayed weight gradients, outside checkpointed regions, at
+least one row) the same devices run the experts as one bfloat16 grouped GEMM (`torch._grouped_mm`, with its
+own autograd), as megatron's grouped expert layer does with its grouped-GEMM kernels.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from ..scopes import current_scope
 from ..tensor import Float8Tensor
 from ._core import FP8State, _plan, _settle_backward, cast_weight, features_unaligned, fp8_linear
-from ._grouped_gemm import GroupedFP8Linear, cumulative, device_has_grouped_gemm
+from ._grouped_gemm import GroupedFP8Linear, cumulative, device_has_bf16_grouped_gemm, device_has_grouped_gemm
 from ._recompute import checkpoint_region
 
 GROUPED_GEMM = True  # False: never the grouped FP8 GEMM, whatever a module asks for (per-expert GEMMs)
@@ -78,6 +81,9 @@ def grouped_fp8_linear(
     stores = list(wgrad_stores) if wgrad_stores is not None else [None] * len(weights)
     if grouped_gemm and _grouped_gemm_applies(x, weights, biases, stores):
         return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8)
+    if grouped_gemm and _bf16_grouped_gemm_applies(x, weights, biases, stores):
+        ends = torch.tensor(list(cumulative(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
+        return torch._grouped_mm(x, torch.stack(list(weights)).transpose(1, 2), offs=ends)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
             for chunk, w, b, st, store in zip(torch.split(x, list(splits), dim=0), weights, biases, states, stores)]
     return torch.cat(outs, dim=0)
@@ -95,6 +101,20 @@ def _grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor], bias
         return False
     scope = current_scope()
     return scope is not None and scope.enabled and checkpoint_region() is None
+
+
+def _bf16_grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                               biases: Sequence[Optional[torch.Tensor]], stores: Sequence[Any]) -> bool:
+    """Whether this call runs as one bfloat16 grouped GEMM (no FP8; see the module docstring)."""
+    if not (GROUPED_GEMM and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0
+            and device_has_bf16_grouped_gemm(x.device)):
+        return False
+    if any(b is not None for b in biases) or any(s is not None for s in stores):
+        return False
+    if any(isinstance(w, Float8Tensor) or w.dtype != torch.bfloat16 or features_unaligned(w) for w in weights):
+        return False
+    scope = current_scope()
+    return (scope is None or not scope.enabled) and checkpoint_region() is None
 
 
 def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[torch.Tensor],

@@ -35,6 +35,13 @@ def device_has_grouped_gemm(device: torch.device) -> bool:
                                                              else torch.cuda.current_device())
 
 
+def device_has_bf16_grouped_gemm(device: torch.device) -> bool:
+    """Whether torch's bfloat16 grouped GEMM (`torch._grouped_mm`) serves the experts on `device` (CUDA, compute
+    capability 9.0 or 10.0; elsewhere the experts run one GEMM each)."""
+    return device.type == "cuda" and hasattr(torch, "_grouped_mm") and _cuda_has_grouped_gemm(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_has_grouped_gemm(index: int) -> bool:
     return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(index) in ((9, 0), (10, 0))

@@ -62,8 +62,8 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
 
     Forward: `forward(inp, m_splits, is_first_microbatch=None)` (see `forward`).
 
-    `use_grouped_gemm` (attribute, default False): run the GEMMs as one grouped FP8 GEMM where torch offers one
-    (`modules/_grouped_core.py`). Off by default because TransformerEngine's contract is that a GroupedLinear
+    `use_grouped_gemm` (attribute, default False): run the GEMMs as one grouped FP8 GEMM where torch offers one,
+    and without FP8 as one bfloat16 grouped GEMM (`modules/_grouped_core.py`). Off by default because TransformerEngine's contract is that a GroupedLinear
     equals one `Linear` per GEMM bit for bit (its own tests assert it), and the grouped GEMM rounds
     differently; megatron's expert layer (`FP8GroupedMLP`) uses it.
     """

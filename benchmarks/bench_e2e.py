@@ -104,13 +104,22 @@ class Layout:
                 f"{f' ep{self.ep}' if self.ep > 1 else ''}" if self.parallel else "")
 
 
-def _config(size: Size, device: str, fp8: bool, dropout: float, layout: Layout = Layout()):
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """Training options every variant shares."""
+
+    dropout: float = 0.0
+    fusions: bool = False  # megatron's bias+GELU and bias+dropout+add fusions (on in Megatron-LM's defaults)
+
+
+def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
         num_layers=size.layers, hidden_size=size.hidden, num_attention_heads=size.heads,
         ffn_hidden_size=size.ffn, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
-        hidden_dropout=dropout, attention_dropout=dropout, use_cpu_initialization=device == "cpu",
+        hidden_dropout=knobs.dropout, attention_dropout=knobs.dropout, use_cpu_initialization=device == "cpu",
+        bias_activation_fusion=knobs.fusions, bias_dropout_fusion=knobs.fusions,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
         **(dict(num_moe_experts=size.experts, moe_router_topk=size.topk, moe_ffn_hidden_size=size.moe_ffn,
@@ -135,7 +144,11 @@ def _local_to_ours(name: str) -> str:
                 .replace("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"))
 
 
-def _build_chunks(variant: str, size: Size, device: str, dropout: float, layout: Layout):
+def _knobs(args) -> Knobs:
+    return Knobs(args.dropout, args.fusions)
+
+
+def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
     """This rank's model chunks (one per virtual stage, each a Float16Module-wrapped GPTModel) and the config,
     under model parallelism; weights from the model-parallel seed, the same for every variant."""
     from megatron.core import parallel_state as mpu
@@ -145,7 +158,7 @@ def _build_chunks(variant: str, size: Size, device: str, dropout: float, layout:
 
     from fp8_parallel.megatron import get_gpt_block_spec
 
-    cfg = _config(size, device, fp8=variant.startswith("fp8"), dropout=dropout, layout=layout)
+    cfg = _config(size, device, fp8=variant.startswith("fp8"), knobs=knobs, layout=layout)
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
     chunks = []
     for v in range(layout.vpp or 1):
@@ -159,7 +172,7 @@ def _build_chunks(variant: str, size: Size, device: str, dropout: float, layout:
     return chunks, cfg
 
 
-def _build(variant: str, size: Size, device: str, dropout: float, weights: Optional[Dict[str, torch.Tensor]]):
+def _build(variant: str, size: Size, device: str, knobs: Knobs, weights: Optional[Dict[str, torch.Tensor]]):
     """(Float16Module-wrapped GPTModel, config) of `variant`, with `weights` (our spec's names) copied in."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -168,7 +181,7 @@ def _build(variant: str, size: Size, device: str, dropout: float, weights: Optio
 
     from fp8_parallel.megatron import get_gpt_block_spec
 
-    cfg = _config(size, device, fp8=variant.startswith("fp8"), dropout=dropout)
+    cfg = _config(size, device, fp8=variant.startswith("fp8"), knobs=knobs)
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
     spec = get_gpt_layer_local_spec() if variant == "local" else get_gpt_block_spec(cfg, **_moe_spec(size))
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab, max_sequence_length=size.seq)
@@ -291,9 +304,9 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     device = args.device
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     if layout.parallel:
-        model, cfg = _build_chunks(variant, size, device, args.dropout, layout)
+        model, cfg = _build_chunks(variant, size, device, _knobs(args), layout)
     else:
-        model, cfg = _build(variant, size, device, args.dropout, weights)
+        model, cfg = _build(variant, size, device, _knobs(args), weights)
     chunks = model if isinstance(model, list) else [model]
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda")
     fp8 = variant.startswith("fp8")
@@ -353,7 +366,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
 
 def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
     """Initial weights (our spec's parameter names) shared by every variant, on the host."""
-    model, _ = _build("bf16", size, args.device, args.dropout, None)
+    model, _ = _build("bf16", size, args.device, _knobs(args), None)
     weights = {n: p.detach().to("cpu", copy=True) for n, p in model.module.named_parameters()}
     del model
     gc.collect()
@@ -362,9 +375,9 @@ def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def report(results: List[dict], size: Size, layout: Layout = Layout()) -> None:
+def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Knobs = Knobs()) -> None:
     by = {r["variant"]: r for r in results}
-    case = size.describe() + layout.describe()
+    case = size.describe() + layout.describe() + (" fused" if knobs.fusions else "")
     print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
           f"{'rsrv GiB':>9s} {'loss':>8s}")
     for r in results:
@@ -421,6 +434,8 @@ def main(argv: List[str]) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--fusions", action="store_true",
+                   help="megatron's bias+GELU and bias+dropout+add fusions for every variant (Megatron-LM's defaults)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (with torchrun)")
@@ -467,7 +482,7 @@ def main(argv: List[str]) -> None:
                 print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms, busy {r['busy_ms']:.1f} ms, "
                   f"{r['tokens_s']:.0f} tokens/s, loss {r['loss']:.4f}", flush=True)
     if rank0:
-        report(results, size, layout)
+        report(results, size, layout, _knobs(args))
         dump(args.out)
     ps.destroy()
 

@@ -334,7 +334,7 @@ def test_direct_hybrid_backward_frozen_expert_and_constant_input(monkeypatch):
 
 
 def _bf16_grouped_cases(device: str, monkeypatch) -> None:
-    """Without FP8 the experts run as one bfloat16 `torch._grouped_mm` (counted), equal to the per-expert GEMMs
+    """Without FP8 the experts run as one bfloat16 `torch._grouped_mm` per GEMM (counted), equal to the per-expert GEMMs
     within bfloat16 rounding and close to float64; the cases it cannot serve take the per-expert GEMMs."""
     grouped_calls: List[int] = []
     real = torch._grouped_mm
@@ -352,8 +352,14 @@ def _bf16_grouped_cases(device: str, monkeypatch) -> None:
         xi = x.clone().requires_grad_()
         with te.autocast(enabled=False):
             y = lin(xi, SPLITS)
+        if use_grouped:  # the weights are kept for backward, not a stacked copy of them
+            node = y.grad_fn
+            while "GroupedBF16" not in type(node).__name__:
+                node = node.next_functions[0][0]
+            assert all(t.dim() < 3 for t in node.saved_tensors), f"seed {seed}"
         y.backward(dy)
-        assert len(grouped_calls) - before == (1 if use_grouped else 0), f"seed {seed}"
+        # forward, input gradient, weight gradients
+        assert len(grouped_calls) - before == (3 if use_grouped else 0), f"seed {seed}"
         results.append((y, xi.grad, *(getattr(lin, f"weight{i}").grad for i in range(len(SPLITS)))))
     where = f"(seed {seed})"
     names = ["output", "input grad", *(f"weight{i} grad" for i in range(len(SPLITS)))]

@@ -13,8 +13,9 @@ weights) the experts run as one autograd Function (`_grouped_gemm.py`): the forw
 GEMM, and with delayed scaling each direction's casts in one launch. Which path runs never depends on
 routing, so the slot layout is the same on every rank. Without FP8 (no enabled scope; bfloat16 input and
 weights, no biases, features multiples of 16, no delayed weight gradients, outside checkpointed regions, at
-least one row) the same devices run the experts as one bfloat16 grouped GEMM (`torch._grouped_mm`, with its
-own autograd), as megatron's grouped expert layer does with its grouped-GEMM kernels.
+least one row) the same devices run the experts as one bfloat16 grouped GEMM per direction
+(`torch._grouped_mm`), as megatron's grouped expert layer does with its grouped-GEMM kernels; the weights are
+stacked per GEMM and not kept stacked from forward to backward (no copy of every expert weight held per call).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def grouped_fp8_linear(
         return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8)
     if grouped_gemm and _bf16_grouped_gemm_applies(x, weights, biases, stores):
         ends = torch.tensor(list(cumulative(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
-        return torch._grouped_mm(x, torch.stack(list(weights)).transpose(1, 2), offs=ends)
+        return _GroupedBF16Linear.apply(x, ends, *weights)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
             for chunk, w, b, st, store in zip(torch.split(x, list(splits), dim=0), weights, biases, states, stores)]
     return torch.cat(outs, dim=0)
@@ -101,6 +102,27 @@ def _grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor], bias
         return False
     scope = current_scope()
     return scope is not None and scope.enabled and checkpoint_region() is None
+
+
+class _GroupedBF16Linear(torch.autograd.Function):
+    """`apply(x, ends, *weights)`: expert `i`'s rows of `x` (up to `ends[i]`) times `weights[i].T`, as one
+    `torch._grouped_mm` per GEMM. Saves the weights themselves (not their stack) for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, ends, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, ends, *weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e: the weights stacked row-major [E, N, K]
+            grad_x = torch._grouped_mm(grad_out, torch.stack(weights), offs=ends)
+        if any(ctx.needs_input_grad[2:]):  # dW_e = dy_e^T @ x_e: groups along the contracted rows
+            grad_w = torch._grouped_mm(grad_out.t(), x, offs=ends).unbind(0)
+        return (grad_x, None, *(grad_w if grad_w is not None else [None] * len(weights)))
 
 
 def _bf16_grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor],

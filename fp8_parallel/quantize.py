@@ -192,9 +192,6 @@ class RowBlocks:
         """The `[N, padded_total]` matrix of all blocks' transposes (`one_matrix` layout)."""
         return self.transposes.view(self.data.shape[1], -1)
 
-    def padded_ends(self) -> List[int]:
-        return [s + m for s, m in zip(self.padded_starts, self.padded_rows)]
-
 
 def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
                         amax_slots: Sequence[torch.Tensor], fp8_dtype: torch.dtype, with_transpose: bool,

@@ -76,15 +76,11 @@ def grouped_wgrad(g_t: RowBlocks, x_t: RowBlocks) -> torch.Tensor:
     both blocks' rows padded alike, with zeros)."""
     e = len(g_t.rows)
     n, k = g_t.data.shape[1], x_t.data.shape[1]
-    scale_a = g_t.sinv[:: _stride(g_t, e)].unsqueeze(1).expand(e, n).reshape(-1)
-    scale_b = x_t.sinv[:: _stride(x_t, e)].unsqueeze(1).expand(e, k).reshape(-1)
-    ends = torch.tensor(g_t.padded_ends(), dtype=torch.int32).to(g_t.data.device, non_blocking=True)
+    scale_a = g_t.sinv[::SINV_STRIDE].unsqueeze(1).expand(e, n).reshape(-1)
+    scale_b = x_t.sinv[::SINV_STRIDE].unsqueeze(1).expand(e, k).reshape(-1)
+    ends = (g_t.table[3] + g_t.table[4]).to(torch.int32)  # padded starts + padded rows, already on the device
     return torch._scaled_grouped_mm(g_t.transposed_matrix(), x_t.transposed_matrix().t(), scale_a, scale_b,
                                     offs=ends, out_dtype=torch.bfloat16)
-
-
-def _stride(blocks: RowBlocks, e: int) -> int:
-    return blocks.sinv.numel() // e
 
 
 def _delayed(plans: Sequence[Any]) -> bool:

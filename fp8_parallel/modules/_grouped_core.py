@@ -80,9 +80,10 @@ def grouped_fp8_linear(
     GEMMs' by rounding.
     """
     stores = list(wgrad_stores) if wgrad_stores is not None else [None] * len(weights)
-    if grouped_gemm and _grouped_gemm_applies(x, weights, biases, stores):
+    path = _grouped_path(x, weights, biases, stores) if grouped_gemm else None
+    if path == "fp8":
         return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8)
-    if grouped_gemm and _bf16_grouped_gemm_applies(x, weights, biases, stores):
+    if path == "bf16":
         ends = torch.tensor(list(cumulative(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
         return _GroupedBF16Linear.apply(x, ends, *weights)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
@@ -90,18 +91,27 @@ def grouped_fp8_linear(
     return torch.cat(outs, dim=0)
 
 
-def _grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
-                          stores: Sequence[Any]) -> bool:
-    """Whether this call's forward runs as one grouped GEMM (see the module docstring). Depends on the model,
-    the input's dtype and device and the FP8 scope, never on routing."""
-    if not (GROUPED_GEMM and x.dtype == torch.bfloat16 and device_has_grouped_gemm(x.device)):
-        return False
-    if any(b is not None for b in biases) or any(s is not None for s in stores):
-        return False
-    if any(isinstance(w, Float8Tensor) or features_unaligned(w) for w in weights):
-        return False
+def _grouped_path(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                  stores: Sequence[Any]) -> Optional[str]:
+    """Which grouped GEMM serves this call (see the module docstring): "fp8" inside an enabled FP8 scope,
+    "bf16" outside one, None for one GEMM per expert. Depends on the model, the input's dtype and device and
+    the FP8 scope (and for "bf16" on the input having rows), never on routing under FP8."""
     scope = current_scope()
-    return scope is not None and scope.enabled and checkpoint_region() is None
+    fp8 = scope is not None and scope.enabled
+    if fp8:
+        served = device_has_grouped_gemm(x.device)
+    else:
+        served = x.dim() == 2 and x.shape[0] > 0 and device_has_bf16_grouped_gemm(x.device)
+    if not (GROUPED_GEMM and served and x.dtype == torch.bfloat16):
+        return None
+    if any(b is not None for b in biases) or any(s is not None for s in stores):
+        return None
+    if any(isinstance(w, Float8Tensor) or features_unaligned(w) or (not fp8 and w.dtype != torch.bfloat16)
+           for w in weights):
+        return None
+    if checkpoint_region() is not None:
+        return None
+    return "fp8" if fp8 else "bf16"
 
 
 class _GroupedBF16Linear(torch.autograd.Function):
@@ -123,20 +133,6 @@ class _GroupedBF16Linear(torch.autograd.Function):
         if any(ctx.needs_input_grad[2:]):  # dW_e = dy_e^T @ x_e: groups along the contracted rows
             grad_w = torch._grouped_mm(grad_out.t(), x, offs=ends).unbind(0)
         return (grad_x, None, *(grad_w if grad_w is not None else [None] * len(weights)))
-
-
-def _bf16_grouped_gemm_applies(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                               biases: Sequence[Optional[torch.Tensor]], stores: Sequence[Any]) -> bool:
-    """Whether this call runs as one bfloat16 grouped GEMM (no FP8; see the module docstring)."""
-    if not (GROUPED_GEMM and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0
-            and device_has_bf16_grouped_gemm(x.device)):
-        return False
-    if any(b is not None for b in biases) or any(s is not None for s in stores):
-        return False
-    if any(isinstance(w, Float8Tensor) or w.dtype != torch.bfloat16 or features_unaligned(w) for w in weights):
-        return False
-    scope = current_scope()
-    return (scope is None or not scope.enabled) and checkpoint_region() is None
 
 
 def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[torch.Tensor],

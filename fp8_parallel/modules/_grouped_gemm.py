@@ -38,8 +38,7 @@ def device_has_grouped_gemm(device: torch.device) -> bool:
 def device_has_bf16_grouped_gemm(device: torch.device) -> bool:
     """Whether torch's bfloat16 grouped GEMM (`torch._grouped_mm`) serves the experts on `device` (CUDA, compute
     capability 9.0 or 10.0; elsewhere the experts run one GEMM each)."""
-    return device.type == "cuda" and hasattr(torch, "_grouped_mm") and _cuda_has_grouped_gemm(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return hasattr(torch, "_grouped_mm") and device_has_grouped_gemm(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -111,6 +111,7 @@ class Knobs:
 
     dropout: float = 0.0
     fusions: bool = True  # megatron's bias+GELU and bias+dropout+add fusions (on in Megatron-LM's defaults)
+    weight_cache: bool = True  # FP8 weight casts cached per step (False: megatron's disable_parameter_transpose_cache)
 
 
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
@@ -130,6 +131,7 @@ def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = L
     )
     if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
         cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = "hybrid", "delayed", 16, "max"
+        cfg.disable_parameter_transpose_cache = not knobs.weight_cache
     return cfg
 
 
@@ -147,7 +149,7 @@ def _local_to_ours(name: str) -> str:
 
 
 def _knobs(args) -> Knobs:
-    return Knobs(args.dropout, args.fusions)
+    return Knobs(args.dropout, args.fusions, args.weight_cache)
 
 
 def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
@@ -323,7 +325,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     if variant == "fp8_graphs":
         graphed = pipeline.graph_megatron_layers(
             model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
-            fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=True)
+            fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=_knobs(args).weight_cache)
         forward_step = graphed.forward_step(forward_step)
 
     def step() -> float:
@@ -379,7 +381,8 @@ def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
 
 def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Knobs = Knobs()) -> None:
     by = {r["variant"]: r for r in results}
-    case = size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
+    case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
+            + ("" if knobs.weight_cache else " no-weight-cache"))
     print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
           f"{'rsrv GiB':>9s} {'loss':>8s}")
     for r in results:
@@ -439,6 +442,9 @@ def main(argv: List[str]) -> None:
     p.add_argument("--no-fusions", dest="fusions", action="store_false",
                    help="without megatron's bias+GELU and bias+dropout+add fusions (on by default for every variant, "
                         "as in Megatron-LM's defaults: the strongest BF16 baseline)")
+    p.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
+                   help="FP8 variants cast every weight at every microbatch instead of once per step (megatron's "
+                        "disable_parameter_transpose_cache): less memory, more casts")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (with torchrun)")

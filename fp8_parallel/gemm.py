@@ -99,6 +99,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
+def _scale_operand(scale_inv: torch.Tensor) -> torch.Tensor:
+    """A scale_inv as `_scaled_mm`'s per-tensor scale: a 16-byte aligned float32 scalar (no copy, and no view
+    made, for the usual 0-d float32 one: each torch call is host time on every GEMM)."""
+    if scale_inv.dim() != 0:
+        scale_inv = scale_inv.reshape(())
+    if scale_inv.dtype != torch.float32:
+        scale_inv = scale_inv.float()
+    return _aligned(scale_inv)
+
+
 def fp8_gemm(
     a: Float8Tensor,
     b: Float8Tensor,
@@ -149,8 +159,8 @@ def fp8_gemm(
     out = torch._scaled_mm(
         _aligned(a_data),
         _aligned(b_data).t(),  # [K, N] column-major view: what cuBLAS wants for the second operand
-        scale_a=_aligned(a._scale_inv.reshape(()).float()),
-        scale_b=_aligned(b._scale_inv.reshape(()).float()),
+        scale_a=_scale_operand(a._scale_inv),
+        scale_b=_scale_operand(b._scale_inv),
         bias=bias_arg,
         out_dtype=result_dtype,
         use_fast_accum=use_fast_accum,
@@ -160,4 +170,4 @@ def fp8_gemm(
     if bias is not None and bias_arg is None:
         out = out + bias.float()
     out = out.to(out_dtype) if out.dtype != out_dtype else out
-    return out.contiguous()  # a padded result's column slice is copied out of its buffer
+    return out if out.is_contiguous() else out.contiguous()  # a padded result's column slice is copied out

@@ -18,12 +18,18 @@ from .tensor import Float8Tensor, cast_to_fp8
 _INF = float("inf")
 
 
+_TRITON: Optional[bool] = None  # whether the fused kernels run (CUDA with Triton); decided on first use
+
+
 def _use_triton(x: torch.Tensor) -> bool:
+    global _TRITON
     if not x.is_cuda:
         return False
-    from . import triton_kernels
+    if _TRITON is None:
+        from . import triton_kernels
 
-    return triton_kernels.AVAILABLE
+        _TRITON = triton_kernels.AVAILABLE
+    return _TRITON
 
 
 def padded_fp8(rows: int, cols: int, fp8_dtype: torch.dtype, dtype: torch.dtype, device: torch.device,
@@ -74,13 +80,13 @@ def quantize(
             f"quantize: out has shape {tuple(out._data.shape)} / {out._data.dtype}, "
             f"input needs {tuple(x.shape)} / {fp8_dtype}"
         )
-    transpose = Float8Tensor(out._transpose_buffer(), out._scale_inv, out.dtype) if with_transpose else None
+    transpose = out._transpose_buffer() if with_transpose else None
     # the fused kernel writes contiguous outputs; views into padded buffers take the torch path
-    dense = out._data.is_contiguous() and (transpose is None or transpose._data.is_contiguous())
+    dense = out._data.is_contiguous() and (transpose is None or transpose.is_contiguous())
     if not force_torch and dense and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
-        quantize_2d(x, scale, out, transpose, amax_out, noop_flag)
+        quantize_2d(x, scale, out._data, out._scale_inv, transpose, amax_out, noop_flag)
     else:
         _quantize_torch(x, scale, out, transpose, amax_out, noop_flag)
     out._transpose_cache.writes += 1
@@ -101,7 +107,7 @@ def _quantize_torch(
     x: torch.Tensor,
     scale: torch.Tensor,
     out: Float8Tensor,
-    transpose: Optional[Float8Tensor],
+    transpose: Optional[torch.Tensor],
     amax_out: Optional[torch.Tensor],
     noop_flag: Optional[torch.Tensor],
 ) -> None:
@@ -112,7 +118,7 @@ def _quantize_torch(
     out._scale_inv.copy_(_keep_where(noop_flag, out._scale_inv, scale.reciprocal()))
     if transpose is not None:
         flat = data.reshape(-1, data.shape[-1]) if data.dim() != 2 else data
-        transpose._data.copy_(flat.t())
+        transpose.copy_(flat.t())
     if amax_out is not None:
         amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
         amax = torch.nan_to_num(amax, nan=_INF, posinf=_INF)
@@ -136,8 +142,7 @@ def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     if not force_torch and not padded and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
-        holder = Float8Tensor(t._data, t._scale_inv, x.dtype)  # provides scale_inv; no row-major data
-        quantize_2d(x2, scale, holder, t, None, None, with_data=False)
+        quantize_2d(x2, scale, None, t._scale_inv, t._data, None, None)  # the transpose only
     else:
         t._data.copy_(cast_to_fp8(x2.detach(), scale.reshape(()).float(), fp8_dtype).t())
         t._scale_inv.copy_(scale.reshape(()).float().reciprocal())

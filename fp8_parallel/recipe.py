@@ -12,6 +12,7 @@ autocast scopes): `dataclasses.replace(recipe, field=value)` makes a changed cop
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -80,6 +81,7 @@ class Format(enum.Enum):
         return fp8_max(self.backward_dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
     return float(torch.finfo(dtype).max)

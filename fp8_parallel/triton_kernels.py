@@ -5,6 +5,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .recipe import fp8_max
+
 try:
     import triton
     import triton.language as tl
@@ -26,33 +28,52 @@ def _specialization(arg: Any) -> Any:
     return -(2**31) <= arg < 2**31, arg == 1, arg % 16 == 0
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook is set (a hook chain with calls, or a plain callable)."""
+    return bool(getattr(hook, "calls", hook))
+
+
 class _Launcher:
     """Launches one Triton kernel. The first launch of a specialization goes through Triton's JIT entry point
     (which compiles and binds); later ones call the compiled kernel directly. Measured on H200 with Triton 3.6,
     the entry point's per-call argument binding and launch-metadata work cost tens of microseconds of host
-    time, several times the launch itself (docs/benchmarks.md). Launch hooks (profilers) take the JIT path."""
+    time, several times the launch itself (docs/benchmarks.md). Launch hooks (profilers) take the JIT path.
 
-    def __init__(self, kernel: Any) -> None:
+    `tensors`: how many leading arguments are tensors (the kernels' pointers); the rest are scalars. The key
+    of a launch is built from those two runs of arguments directly, without a call per argument."""
+
+    def __init__(self, kernel: Any, tensors: int) -> None:
         self.kernel = kernel
+        self.tensors = tensors
         self._compiled: Dict[Tuple, Any] = {}
+        self._runtime: Any = None  # (current device, current stream, Triton's runtime knobs), bound on first use
 
-    def __call__(self, grid: Tuple[int, ...], args: Tuple, constexprs: Tuple, num_warps: int) -> None:
+    def _bind_runtime(self) -> Tuple[Any, Any, Any]:
         from triton import knobs
         from triton.runtime import driver
 
-        device = driver.active.get_current_device()
-        key = (device, num_warps, constexprs, *map(_specialization, args))
+        active = driver.active
+        self._runtime = (active.get_current_device, active.get_current_stream, knobs.runtime)
+        return self._runtime
+
+    def _key(self, args: Tuple) -> Tuple:
+        n = self.tensors
+        return (tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args[:n]),
+                tuple(_specialization(a) for a in args[n:]))
+
+    def __call__(self, grid: Tuple[int, ...], args: Tuple, constexprs: Tuple, num_warps: int) -> None:
+        current_device, current_stream, runtime = self._runtime or self._bind_runtime()
+        device = current_device()
+        key = (device, num_warps, constexprs, self._key(args))
         compiled = self._compiled.get(key) if FAST_LAUNCH else None
-        hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if compiled is None or any(getattr(h, "calls", h) for h in hooks):
+        if compiled is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 self._compiled[key] = compiled
             return
-        stream = driver.active.get_current_stream(device)
         grid = (*grid, 1, 1)
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *constexprs)
+        compiled.run(grid[0], grid[1], grid[2], current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *constexprs)
 
 if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
     import triton
@@ -94,14 +115,14 @@ if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
 def quantize_2d(
     x: torch.Tensor,
     scale: torch.Tensor,
-    out,
-    transpose,
+    data: Optional[torch.Tensor],
+    scale_inv: torch.Tensor,
+    transpose: Optional[torch.Tensor],
     amax_out: Optional[torch.Tensor],
     noop_flag: Optional[torch.Tensor],
-    with_data: bool = True,
 ) -> None:
-    """Fused cast of `x` (viewed as `[M, N]`) into `out` (and `transpose`), amax into `amax_out`.
-    `with_data=False` writes the transpose only (`out` then only provides `scale_inv`).
+    """Fused cast of `x` (viewed as `[M, N]`) into the FP8 tensors `data` (`[M, N]`) and `transpose`
+    (`[N, M]`), `1 / scale` into `scale_inv`, amax into `amax_out`. `data=None` writes the transpose only.
 
     32-bit inputs: the kernel writes the row-major data (and amax) only, and the transpose is a copy of those
     FP8 bytes. Measured on H200 (Triton 3.6): the kernel's transposed store from a float32 tile wrote about a
@@ -109,39 +130,37 @@ def quantize_2d(
     E5M2 grad_output transpose then held NaN bytes and every float32 weight gradient came out NaN. The
     row-major store is exact for every input dtype, and 16-bit inputs are exact with the fused transpose.
     """
-    from .recipe import fp8_max
-
-    x2 = x.detach().reshape(-1, x.shape[-1])
+    x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() != 2 else x.detach()
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape
     if transpose is not None and x2.element_size() > 2:
-        _quantize_then_transpose(x2, scale, out, transpose, amax_out, noop_flag, with_data)
+        _quantize_then_transpose(x2, scale, data, scale_inv, transpose, amax_out, noop_flag)
         return
     # tiles measured on H200 (docs/benchmarks.md): 64x128 beat 64x64 by 4-7% with the transpose at every
     # shape tried; without it 32x256
     block_m, block_n = (64, 128) if transpose is not None else (32, 256)
     grid = (-(-M // block_m), -(-N // block_n))  # plain ints: triton.cdiv is a slow constexpr function call
-    dummy = out._scale_inv
+    with_data = data is not None
+    fp8 = data if with_data else transpose
     _QUANTIZE(
         grid,
-        (x2, out._data if with_data else transpose._data, transpose._data if transpose is not None else out._data,
-         scale, out._scale_inv, amax_out if amax_out is not None else dummy,
-         noop_flag if noop_flag is not None else dummy, M, N, x2.stride(0), fp8_max(out._data.dtype)),
+        (x2, fp8, transpose if transpose is not None else fp8, scale, scale_inv,
+         amax_out if amax_out is not None else scale_inv, noop_flag if noop_flag is not None else scale_inv,
+         M, N, x2.stride(0), fp8_max(fp8.dtype)),
         (block_m, block_n, transpose is not None, amax_out is not None, noop_flag is not None, with_data),
         num_warps=4 if transpose is not None else 8,
     )
 
 
-def _quantize_then_transpose(x2, scale, out, transpose, amax_out, noop_flag, with_data: bool) -> None:
+def _quantize_then_transpose(x2, scale, data, scale_inv, transpose, amax_out, noop_flag) -> None:
     """The fused cast without its transposed store, then the transpose as a copy of the FP8 bytes (the
     32-bit-input path of `quantize_2d`). A set `noop_flag` leaves the data, and so the transpose, unchanged."""
-    from .tensor import Float8Tensor, _fill_transpose
+    from .tensor import _fill_transpose
 
-    data = out._data if with_data else torch.empty(x2.shape, dtype=transpose._data.dtype, device=x2.device)
-    rows = Float8Tensor(data.view(x2.shape), out._scale_inv, out.dtype)
-    quantize_2d(x2, scale, rows, None, amax_out, noop_flag)
-    _fill_transpose(transpose._data, rows._data, noop_flag)
+    rows = data.view(x2.shape) if data is not None else torch.empty(x2.shape, dtype=transpose.dtype, device=x2.device)
+    quantize_2d(x2, scale, rows, scale_inv, None, amax_out, noop_flag)
+    _fill_transpose(transpose, rows, noop_flag)
 
 
 if AVAILABLE or __import__("os").environ.get("TRITON_INTERPRET") == "1":
@@ -272,6 +291,6 @@ def amax_update(amax: torch.Tensor, addresses: torch.Tensor, history_len: int, f
 
 
 if AVAILABLE:
-    _QUANTIZE = _Launcher(_quantize_kernel)
-    _AMAX_UPDATE = _Launcher(_amax_update_kernel)
-    _QUANTIZE_BLOCKS = _Launcher(_quantize_blocks_kernel)
+    _QUANTIZE = _Launcher(_quantize_kernel, tensors=7)
+    _AMAX_UPDATE = _Launcher(_amax_update_kernel, tensors=4)
+    _QUANTIZE_BLOCKS = _Launcher(_quantize_blocks_kernel, tensors=6)

@@ -260,7 +260,7 @@ def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool):
         return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype), [None, x, x_scale]
     scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
     qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
-    return qx, [qx.transpose_2d(update_cache=False)._data if fp8_wgrad else None, None, None]
+    return qx, [qx._transpose_cache.buffer if fp8_wgrad else None, None, None]  # the transpose just written
 
 
 def _input_transposed(saved, qx_sinv: torch.Tensor, plan: _Plan, x_dtype: torch.dtype) -> Float8Tensor:

@@ -47,15 +47,24 @@ def _gather_full(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _run_tp(fc1, fc2, x_full, sp, recipe, is_first=None):
+def _loss(y: torch.Tensor, weights) -> torch.Tensor:
+    """`sum(y^2)`, or `sum(y * weights)`: a loss whose gradient does not depend on `y`, so both sides of a
+    comparison cast the same grad_output (an fp32 sum-order difference in `y` moving a value across an E5M2
+    rounding boundary, one 25% step, would otherwise show in the gradients for some seeds)."""
+    return (y.float() ** 2).sum() if weights is None else (y.float() * weights).sum()
+
+
+def _run_tp(fc1, fc2, x_full, sp, recipe, is_first=None, loss_weights=None):
     tp_rank, tp = ps.get_rank("tp"), ps.get_size("tp")
     x = x_full.chunk(tp, dim=0)[tp_rank] if sp else x_full  # [s, b, h]; SP shards the sequence
     x = x.detach().clone().requires_grad_()
     with ps.cpu_compat(), fp.autocast(recipe=recipe, group=ps.dense_amax_group()):
         h, _ = fc1(x, is_first_microbatch=is_first)
         y, _ = fc2(torch.nn.functional.gelu(h), is_first_microbatch=is_first)
+    if loss_weights is not None and sp:  # the rank's sequence shard of the output
+        loss_weights = loss_weights.chunk(tp, dim=0)[tp_rank]
     with ps.cpu_compat():
-        (y.float() ** 2).sum().backward()
+        _loss(y, loss_weights).backward()
     for p in list(fc1.parameters()) + list(fc2.parameters()):  # as megatron's finalize_model_grads does
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             dist.all_reduce(p.grad, group=ps.get_group("tp"))
@@ -64,11 +73,11 @@ def _run_tp(fc1, fc2, x_full, sp, recipe, is_first=None):
     return y_full, gx
 
 
-def _run_ref(l1, l2, x_full, recipe):
+def _run_ref(l1, l2, x_full, recipe, loss_weights=None):
     x = x_full.detach().clone().requires_grad_()
     with fp.autocast(recipe=recipe, group=None):
         y = l2(torch.nn.functional.gelu(l1(x)))
-    (y.float() ** 2).sum().backward()
+    _loss(y, loss_weights).backward()
     return y, x.grad
 
 
@@ -105,8 +114,9 @@ def check_tp_matches_single_rank(sp: bool):
                 _set_scales([l1, l2], g)
             for p in list(fc1.parameters()) + list(fc2.parameters()) + list(l1.parameters()) + list(l2.parameters()):
                 p.grad = None
-            y, gx = _run_tp(fc1, fc2, x, sp, recipe)
-            yr, gxr = _run_ref(l1, l2, x, recipe)
+            w = torch.randn(TOKENS // 2, 2, D, generator=gen)  # loss weights: the same grad_output on both sides
+            y, gx = _run_tp(fc1, fc2, x, sp, recipe, loss_weights=w)
+            yr, gxr = _run_ref(l1, l2, x, recipe, loss_weights=w)
             # identical FP8 casts; only fp32 accumulation order differs (row-parallel partial sums)
             torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
             _assert_rel(gx, gxr, 1e-3, "input grad")

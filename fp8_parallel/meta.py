@@ -35,6 +35,15 @@ class FP8Meta(torch.nn.Module):
         # device addresses
         self.storage_id = next(_ALLOCATIONS)
 
+    def scale_of(self, index: int) -> torch.Tensor:
+        """`scale[index : index + 1]`, a view made once per scale buffer (the buffer replaced: made again)."""
+        views = self.__dict__.get("_scale_views")
+        scale = self._buffers["scale"]
+        if views is None or views[0] is not scale:
+            views = (scale, [scale[i : i + 1] for i in range(self.num_tensors)])
+            self.__dict__["_scale_views"] = views
+        return views[1][index]
+
     def __setattr__(self, name: str, value) -> None:
         # any replacement of a buffer (load_state_dict(assign=True), a direct assignment) is a new storage:
         # device address tables built from the old buffers must not be used again

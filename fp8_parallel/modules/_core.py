@@ -93,6 +93,7 @@ class _Plan:
     counts_backward: bool = False
     phase: Optional[Phase] = None
     _saved_scale: Optional[torch.Tensor] = None
+    meta: Optional[FP8Meta] = None  # the forward meta whose scale buffer `forward_scale` is (None: a copy)
 
     def saved_forward_scale(self, index: int) -> torch.Tensor:
         """`[1]`: forward scale `index` as this call casts with it, kept for a re-cast in backward (the scope's
@@ -127,7 +128,7 @@ def _plan(state: FP8State) -> Optional[_Plan]:
         state.prepare(recipe)
         delayed = not isinstance(recipe, CurrentScaling)
         slots = key.forward.slots(state.fwd) if delayed else None
-        plan = _Plan(recipe, state.fwd.scale if delayed else None, slots, key)
+        plan = _Plan(recipe, state.fwd.scale, slots, key, meta=state.fwd) if delayed else _Plan(recipe, None, None, key)
     if region is not None:  # a first pass: its recompute repeats this decision
         snap = None
         if plan is not None:
@@ -204,20 +205,23 @@ def cast_weight(
     """The FP8 weight (with its transpose, for dgrad): cast now, or the cached cast (`is_first_microbatch`
     False) with the scale_inv it was cast with. The cache holds data + transpose (2 bytes per parameter;
     a layer with unaligned features holds them in zero-padded aligned buffers, see `features_unaligned`)."""
-    fmt = plan.recipe.fp8_format
-    slot = plan.forward_slots[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_slots is not None else None
-    scale = plan.forward_scale[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_scale is not None else None
     if isinstance(weight, Float8Tensor):  # an FP8 parameter
         return weight
+    cached = state.weight_fp8
     noop_flag = getattr(plan.key_state, "weight_noop_flag", None)
+    # a cache is never used stale: a weight updated in place since it was cached (an optimizer step without
+    # a new first microbatch) is cast again
+    if (is_first_microbatch is False and noop_flag is None and cached is not None
+            and state.weight_version == weight._version and cached.shape == weight.shape):
+        return cached  # checked first: the common call of a step's later microbatches
+    fmt = plan.recipe.fp8_format
+    slot = plan.forward_slots[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_slots is not None else None
+    scale = _forward_scale(plan, FWD_WEIGHT)
     if noop_flag is not None:  # recorded for a graphed callable with weight caching: the flag decides on replay
         return _cast_weight_under_flag(weight, state, plan, noop_flag, scale, slot)
     if is_first_microbatch is None:  # transpose re-cast in backward
         return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype,
                      out=_weight_out(weight, fmt.forward_dtype, None, with_transpose=False))
-    cached = state.weight_fp8
-    # a cache is never used stale: a weight updated in place since it was cached (an optimizer step without
-    # a new first microbatch) is cast again
     stale = cached is None or cached.shape != weight.shape or state.weight_version != weight._version
     if is_first_microbatch or stale:
         reuse = cached if cached is not None and cached.shape == weight.shape else None
@@ -244,6 +248,14 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
     return state.weight_fp8
 
 
+def _forward_scale(plan: _Plan, index: int) -> Optional[torch.Tensor]:
+    """`plan.forward_scale[index : index + 1]` (None under current scaling): a view kept by the meta when the
+    plan's scales are the meta's own buffer, so the common call makes no view."""
+    if plan.meta is not None:
+        return plan.meta.scale_of(index)
+    return plan.forward_scale[index : index + 1] if plan.forward_scale is not None else None
+
+
 def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool):
     """Cast a (non-sequence-parallel) input for fprop. Returns the FP8 input and what backward needs for the
     wgrad operand, `[qx_t, x_ref, x_scale]` (see `_input_transposed`).
@@ -258,7 +270,7 @@ def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool):
     if fp8_wgrad and leaf:
         x_scale = _input_scale(x2, plan, fmt.forward_dtype)
         return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype), [None, x, x_scale]
-    scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1] if plan.forward_scale is not None else None
+    scale = _forward_scale(plan, FWD_INPUT)
     qx = _cast(x2, plan.recipe, scale, slot, fmt.forward_dtype, with_transpose=fp8_wgrad)
     return qx, [qx._transpose_cache.buffer if fp8_wgrad else None, None, None]  # the transpose just written
 
@@ -281,7 +293,9 @@ def _weight_operand(weight, qweight: Float8Tensor, state: FP8State, plan: _Plan)
     training step), so a cached pair `(qw_t, qw_sinv)` is returned apart, to be held outside autograd's
     version checks."""
     qw_t = w_scale = recast = None
-    if qweight.has_current_transpose() or isinstance(weight, Float8Tensor):
+    if qweight.has_current_transpose():
+        qw_t = qweight._transpose_cache.buffer
+    elif isinstance(weight, Float8Tensor):
         qw_t = qweight.transpose_2d()._data
     else:
         recast = weight
@@ -356,7 +370,7 @@ def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan
     else:
         # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
         slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
-        scale = plan.forward_scale[FWD_INPUT : FWD_INPUT + 1]
+        scale = _forward_scale(plan, FWD_INPUT)
         qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
         x_saved = [qx.transpose_2d()._data if fp8_wgrad else None, None, None]
         out_shape = (x.shape[0] * dist.get_world_size(sp_group), *x.shape[1:-1])
@@ -436,7 +450,9 @@ def backward_outside_autocast(fn: Callable[[], Any], device_type: str) -> Any:
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group, wgrad_store):
+    def forward(ctx, x, weight, bias, qweight, options):
+        # the non-tensor arguments travel as one tuple: autograd's apply visits every argument on every call
+        state, plan, wgrad_in_fp8, sp_group, wgrad_store = options
         qx, to_save, out_shape = linear_operands(ctx, x, weight, qweight, state, plan, wgrad_in_fp8,
                                                  bias is not None, sp_group, wgrad_store)
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True,
@@ -449,7 +465,7 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = backward_outside_autocast(
             lambda: linear_backward(ctx, ctx.saved_tensors, grad_out, ctx.needs_input_grad), grad_out.device.type)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None)
 
 
 def fp8_linear(
@@ -489,7 +505,7 @@ def fp8_linear(
             return high_precision_linear(x, w, bias, wgrad_store)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
-    out = _FP8Linear.apply(x, weight, bias, qweight, state, plan, wgrad_in_fp8, sp_group if fp8_gather else None,
-                           wgrad_store)
+    out = _FP8Linear.apply(x, weight, bias, qweight,
+                           (state, plan, wgrad_in_fp8, sp_group if fp8_gather else None, wgrad_store))
     _settle_backward(plan, out)
     return out

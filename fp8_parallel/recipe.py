@@ -12,9 +12,8 @@ autocast scopes): `dataclasses.replace(recipe, field=value)` makes a changed cop
 from __future__ import annotations
 
 import dataclasses
-import functools
 import enum
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import torch
 
@@ -81,10 +80,15 @@ class Format(enum.Enum):
         return fp8_max(self.backward_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+_FP8_MAX: Dict[torch.dtype, float] = {}  # computed once per dtype: this is called on every cast
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-    return float(torch.finfo(dtype).max)
+    value = _FP8_MAX.get(dtype)
+    if value is None:
+        value = _FP8_MAX[dtype] = float(torch.finfo(dtype).max)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Where the host time of a tiny FP8 Linear step goes, to guide host-overhead work.
 
-Prints (1) the host cost of single building blocks (one Triton cast launch, one `_scaled_mm`, one
+Prints (0) the host time per linear of a chain of linears, BF16 against FP8, (1) the host cost of single
+building blocks (one Triton cast launch, one `_scaled_mm`, one
 Float8Tensor construction, one empty autograd Function, a scope entry), (2) the host time of a tiny FP8 Linear
 forward+backward against BF16's, and (3) a cProfile table of the FP8 step by own time.
     python benchmarks/profile_host.py [rows]
@@ -9,6 +10,7 @@ import cProfile
 import pstats
 import sys
 import time
+from typing import Tuple
 
 import torch
 
@@ -76,8 +78,60 @@ def blocks() -> None:
         print(f"  {name:42s} {host_us(fn):8.1f} us")
 
 
+def chain_host_us(fp8: bool, tokens: int, width: int, layers: int = 8) -> Tuple[float, float]:
+    """Host time per linear of a chain of `layers` `[width, width]` linears (cached FP8 weights in one scope,
+    or `torch.nn.Linear`), forward and forward + backward: the fastest of 5 loops of 10 steps. The input is not
+    a leaf, as inside a model."""
+    if fp8:
+        mods = torch.nn.Sequential(*[fp.Linear(width, width, bias=False, params_dtype=torch.bfloat16, device="cuda")
+                                     for _ in range(layers)])
+    else:
+        mods = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False, dtype=torch.bfloat16, device="cuda")
+                                     for _ in range(layers)])
+    x0 = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    recipe = fp.DelayedScaling(amax_history_len=16)
+
+    def fwd():
+        y = x0 * 1.0
+        if not fp8:
+            return mods(y)
+        with fp.autocast(recipe=recipe):
+            for m in mods:
+                y = m(y, is_first_microbatch=False)
+        return y
+
+    def step():
+        fwd().sum().backward()
+
+    out = []
+    for f in (fwd, step):
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(10):
+                f()
+            best = min(best, (time.perf_counter() - start) / 10 / layers * 1e6)
+            torch.cuda.synchronize()
+        out.append(best)
+    return out[0], out[1]
+
+
+def chains() -> None:
+    """Host time per linear in a chain, BF16 against FP8, tiny and real sizes (pin the process to one core,
+    e.g. `taskset -c 2`, for figures that repeat: unpinned they moved by up to 1.7x between processes)."""
+    print("host us per linear of an 8-linear chain (fwd, fwd+bwd):")
+    for tokens, width in ((32, 64), (4096, 2048)):
+        bf16, ours = chain_host_us(False, tokens, width), chain_host_us(True, tokens, width)
+        print(f"  {tokens}x{width}: bf16 {bf16[0]:6.1f} {bf16[1]:6.1f} | fp8 {ours[0]:6.1f} {ours[1]:6.1f} "
+              f"({ours[1] / bf16[1]:.2f}x fwd+bwd)")
+
+
 def main(rows: int = 40) -> None:
     print(torch.__version__, torch.cuda.get_device_name(0))
+    chains()
     print("host cost of building blocks (tiny tensors, so launches are not waiting on the device):")
     blocks()
     x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -36,10 +36,11 @@ class FP8Meta(torch.nn.Module):
         self.storage_id = next(_ALLOCATIONS)
 
     def scale_of(self, index: int) -> torch.Tensor:
-        """`scale[index : index + 1]`, a view made once per scale buffer (the buffer replaced: made again)."""
+        """`scale[index : index + 1]`, a view made once per scale buffer (made again when the buffer or its
+        storage is replaced: an assignment, `.to()`, `scale.data = ...`)."""
         views = self.__dict__.get("_scale_views")
         scale = self._buffers["scale"]
-        if views is None or views[0] is not scale:
+        if views is None or views[0] is not scale or views[1][0].data_ptr() != scale.data_ptr():
             views = (scale, [scale[i : i + 1] for i in range(self.num_tensors)])
             self.__dict__["_scale_views"] = views
         return views[1][index]

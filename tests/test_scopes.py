@@ -78,3 +78,26 @@ def test_amax_table_lives_where_its_modules_fp8_state_lives():
     other = FP8Meta(1, "layer1/fwd", history_len=4, device=torch.device("meta"))
     with pytest.raises(RuntimeError, match=r"layer1/fwd is on meta.*layer0/fwd.*on cpu"):
         table.slots(other)
+
+
+def test_scale_views_follow_the_scale_buffer():
+    """`FP8Meta.scale_of` keeps its views only while they see the scale buffer: in-place writes show through;
+    a replaced buffer, a replaced storage (`.data`), a deep copy and `.to()` give views of the new one."""
+    import copy
+
+    from fp8_parallel.meta import FP8Meta
+
+    meta = FP8Meta(2, "views")
+    assert meta.scale_of(1).data_ptr() == meta.scale.data_ptr() + 4
+    meta.scale.copy_(torch.tensor([2.0, 3.0]))
+    assert meta.scale_of(0).item() == 2.0 and meta.scale_of(1).item() == 3.0
+    meta.scale.data = torch.tensor([5.0, 7.0])
+    assert meta.scale_of(1).item() == 7.0
+    meta.scale = torch.tensor([11.0, 13.0])
+    assert meta.scale_of(0).item() == 11.0
+    twin = copy.deepcopy(meta)
+    twin.scale.fill_(17.0)
+    assert twin.scale_of(1).item() == 17.0 and meta.scale_of(1).item() == 13.0
+    meta.to(torch.float64)  # FP8 state keeps float32 (see FP8Meta._apply), in a new buffer
+    meta.scale.fill_(19.0)
+    assert meta.scale_of(0).item() == 19.0 and meta.scale_of(0).dtype == torch.float32

@@ -112,6 +112,7 @@ class Knobs:
     dropout: float = 0.0
     fusions: bool = True  # megatron's bias+GELU and bias+dropout+add fusions (on in Megatron-LM's defaults)
     weight_cache: bool = True  # FP8 weight casts cached per step (False: megatron's disable_parameter_transpose_cache)
+    fp8_format: str = "hybrid"  # megatron's `fp8` field: "hybrid" (E5M2 gradients) or "e4m3" (E4M3 throughout)
 
 
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
@@ -130,7 +131,7 @@ def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = L
            if size.experts else {}),
     )
     if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
-        cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = "hybrid", "delayed", 16, "max"
+        cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = knobs.fp8_format, "delayed", 16, "max"
         cfg.disable_parameter_transpose_cache = not knobs.weight_cache
     return cfg
 
@@ -149,7 +150,7 @@ def _local_to_ours(name: str) -> str:
 
 
 def _knobs(args) -> Knobs:
-    return Knobs(args.dropout, args.fusions, args.weight_cache)
+    return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format)
 
 
 def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
@@ -445,6 +446,8 @@ def main(argv: List[str]) -> None:
     p.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
                    help="FP8 variants cast every weight at every microbatch instead of once per step (megatron's "
                         "disable_parameter_transpose_cache): less memory, more casts")
+    p.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default="hybrid",
+                   help="FP8 formats (megatron's --fp8-format): e4m3 gradients let the experts' backward be grouped")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (with torchrun)")

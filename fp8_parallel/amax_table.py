@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,18 @@ class AmaxTable:
         """The `[meta.num_tensors]` amax slots of `meta` in this table."""
         offset = self._offset(meta)
         return self._buffer[HEADER + offset : HEADER + offset + meta.num_tensors]
+
+    def slots_of(self, metas: Sequence[FP8Meta]) -> List[torch.Tensor]:
+        """`slots(meta)` for each of `metas` (registered in that order when new), made as one view split into
+        rows when their slots are contiguous, as they are when the metas are registered together."""
+        if not metas:
+            return []
+        offsets = [self._offset(m) for m in metas]
+        n = metas[0].num_tensors
+        if all(m.num_tensors == n for m in metas) and all(b - a == n for a, b in zip(offsets, offsets[1:])):
+            start = HEADER + offsets[0]
+            return list(self._buffer[start : start + n * len(metas)].view(len(metas), n).unbind(0))
+        return [self.slots(m) for m in metas]
 
     def amaxes(self) -> torch.Tensor:
         """All slots, in registration order (a view; current until the next registration)."""

@@ -201,8 +201,9 @@ class RowBlocks:
 def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
                         amax_slots: Sequence[torch.Tensor], fp8_dtype: torch.dtype, with_transpose: bool,
                         one_matrix: bool = False, force_torch: bool = False) -> RowBlocks:
-    """Cast the row blocks of `x: [M, N]` (`splits` rows each, in order) to FP8, block `e` with `scales[e]`
-    (one element) into `amax_slots[e]`, in one pass: on CUDA one fused kernel for all blocks (16-bit inputs),
+    """Cast the row blocks of `x: [M, N]` (`splits` rows each, in order) to FP8, block `e` with the first
+    element of `scales[e]` into the first element of `amax_slots[e]` (so a module's scale and slot buffers
+    serve as they are, no view per block), in one pass: on CUDA one fused kernel for all blocks (16-bit inputs),
     elsewhere `quantize` per block; the same bytes either way (see `RowBlocks` for the layout)."""
     from .gemm import ALIGN
     from .triton_kernels import BLOCKS_TILE_M
@@ -243,7 +244,7 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
         out = blocks.block(e)
         if with_transpose:  # the block's rows of its padded transpose (a strided view: the torch path)
             out._transpose_cache.buffer = blocks.block_transposed(e)._data[:, :m]
-        quantize(x2[start : start + m], scales[e], fp8_dtype, amax_out=amax_slots[e], out=out,
+        quantize(x2[start : start + m], scales[e][:1], fp8_dtype, amax_out=amax_slots[e][:1], out=out,
                  with_transpose=with_transpose, force_torch=True)
         row_sinv[start : start + m] = out._scale_inv
     return blocks

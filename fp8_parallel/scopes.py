@@ -69,14 +69,16 @@ class KeyState:
     def name(self) -> str:
         return f"fp8 autocast scope ({self.recipe}, {_group_name(self.group)})"
 
-    def expect_backward(self) -> None:
+    def expect_backward(self, count: int = 1) -> None:
+        """`count` more FP8 calls will run their backward (a grouped call counts each of its experts)."""
         with self._lock:
-            self.pending_backward += 1
+            self.pending_backward += count
 
-    def backward_ran(self) -> None:
-        """Called by each FP8 module backward after writing its grad amax; the last one reduces."""
+    def backward_ran(self, count: int = 1) -> None:
+        """Called by each FP8 module backward after writing its grad amax (`count`: that many calls, a grouped
+        call's experts); the last one reduces."""
         with self._lock:
-            self.pending_backward -= 1
+            self.pending_backward -= count
             ready = self.pending_backward == 0 and self.forward_done and not self.backward_done
             if ready:
                 self.backward_done = True
@@ -128,9 +130,9 @@ class RecordingKey(KeyState):
         self.weight_noop_flag = weight_noop_flag
         self.cached_weights: List[torch.Tensor] = []
 
-    def expect_backward(self) -> None:
-        super().expect_backward()
-        self.expected_backward += 1
+    def expect_backward(self, count: int = 1) -> None:
+        super().expect_backward(count)
+        self.expected_backward += count
 
     def reduce_forward(self) -> None:
         pass

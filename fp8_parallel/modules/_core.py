@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,6 +145,41 @@ def _plan(state: FP8State) -> Optional[_Plan]:
             snap = Snapshot(plan.key_state, plan.recipe, scale, counted)
         region.add(state, snap)
     return plan
+
+
+def expert_plans(states: Sequence[FP8State]) -> List[_Plan]:
+    """`_plan` of each expert of a grouped call inside an enabled scope and outside checkpointed regions (the
+    grouped FP8 path's conditions): the scope looked up once, the forward amax slots registered in expert
+    order, as per-expert calls register them, and taken as one view."""
+    scope = current_scope()
+    recipe, key = scope.recipe, scope.state
+    for state in states:
+        state.prepare(recipe)
+    if isinstance(recipe, CurrentScaling):
+        return [_Plan(recipe, None, None, key) for _ in states]
+    slots = key.forward.slots_of([state.fwd for state in states])
+    return [_Plan(recipe, state.fwd.scale, slot, key, meta=state.fwd) for state, slot in zip(states, slots)]
+
+
+def settle_experts_backward(plans: Sequence[_Plan], out: torch.Tensor) -> None:
+    """`_settle_backward` of every plan of `expert_plans` (one output, one key): one count for all."""
+    key = plans[0].key_state if plans else None
+    if key is None or not out.requires_grad:
+        return
+    for plan in plans:
+        plan.counts_backward = True
+    key.expect_backward(len(plans))
+
+
+def experts_backward_done(plans: Sequence[_Plan]) -> None:
+    """`_backward_done` of every plan of `expert_plans`: their counts settled in one step."""
+    count = 0
+    for plan in plans:
+        if plan.counts_backward:
+            plan.counts_backward = False
+            count += 1
+    if count and plans[0].key_state is not None:
+        plans[0].key_state.backward_ran(count)
 
 
 def _settle_backward(plan: _Plan, out: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from ..scopes import current_scope
 from ..tensor import Float8Tensor
-from ._core import FP8State, _plan, _settle_backward, cast_weight, features_unaligned, fp8_linear
+from ._core import FP8State, cast_weight, expert_plans, features_unaligned, fp8_linear, settle_experts_backward
 from ._grouped_gemm import GroupedFP8Linear, cumulative, device_has_bf16_grouped_gemm, device_has_grouped_gemm
 from ._recompute import checkpoint_region
 
@@ -102,7 +102,7 @@ def _grouped_path(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
         served = device_has_grouped_gemm(x.device)
     else:
         served = x.dim() == 2 and x.shape[0] > 0 and device_has_bf16_grouped_gemm(x.device)
-    if not (GROUPED_GEMM and served and x.dtype == torch.bfloat16):
+    if not (GROUPED_GEMM and served and x.dtype == torch.bfloat16 and x.dim() == 2):
         return None
     if any(b is not None for b in biases) or any(s is not None for s in stores):
         return None
@@ -140,10 +140,9 @@ def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[t
                          wgrad_in_fp8: bool) -> torch.Tensor:
     """The experts' FP8 linears with one grouped forward GEMM; the same plans, casts, amax slots and backward
     as the per-expert calls."""
-    plans = [_plan(state) for state in states]
+    plans = expert_plans(states)
     qweights = [cast_weight(w, state, plan, is_first_microbatch) for w, state, plan in zip(weights, states, plans)]
     chunks = torch.split(x, splits, dim=0)
     out = GroupedFP8Linear.apply((x, splits, qweights, states, plans, wgrad_in_fp8), *chunks, *weights)
-    for plan in plans:
-        _settle_backward(plan, out)
+    settle_experts_backward(plans, out)
     return out

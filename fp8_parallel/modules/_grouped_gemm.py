@@ -22,11 +22,11 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..gemm import _aligned
+from ..gemm import _scale_operand
 from ..quantize import SINV_STRIDE, RowBlocks, quantize_row_blocks
 from ..tensor import Float8Tensor
-from ._core import (SAVED_PER_LINEAR, _backward_done, _backward_slot, _weight_transposed, backward_outside_autocast,
-                    linear_backward, linear_operands)
+from ._core import (SAVED_PER_LINEAR, _backward_slot, _weight_operand, _weight_transposed, backward_outside_autocast,
+                    experts_backward_done, linear_backward, linear_operands)
 
 
 def device_has_grouped_gemm(device: torch.device) -> bool:
@@ -54,18 +54,20 @@ def cumulative(splits: Sequence[int]) -> Iterator[int]:
         yield total
 
 
-def grouped_gemm(a: Float8Tensor, row_sinv: torch.Tensor, qweights: Sequence[Float8Tensor], ends: torch.Tensor,
-                 use_fast_accum: bool = True) -> torch.Tensor:
-    """`[rows, N]` bfloat16: each expert's rows of `a` times its `qweights[i]` (`[N, K]`, K contiguous; `a @ W.T`
-    per expert), as one `torch._scaled_grouped_mm`. `a`: the experts' FP8 rows, `row_sinv [rows]` each row's
-    scale_inv; `ends`: the experts' row ends (int32, on the device). The per-tensor weight scales become
-    row-wise scales of the second operand (each expert's scale_inv per output feature)."""
-    n = qweights[0].shape[0]
+def grouped_gemm(a: torch.Tensor, row_sinv: torch.Tensor, weights: Sequence[torch.Tensor],
+                 weight_sinvs: Sequence[torch.Tensor], ends: torch.Tensor, use_fast_accum: bool = True) -> torch.Tensor:
+    """`[rows, N]` bfloat16: each expert's rows of `a` times its FP8 weight (`weights[i]`: `[N, K]`, K
+    contiguous; `a @ W.T` per expert), as one `torch._scaled_grouped_mm`. `a`: the experts' FP8 rows,
+    `row_sinv [rows]` each row's scale_inv; `ends`: the experts' row ends (int32, on the device). The per-tensor
+    weight scales (`weight_sinvs[i]`, one element each) become row-wise scales of the second operand (each expert's
+    scale_inv per output feature)."""
+    n = weights[0].shape[0]
     if a.shape[0] == 0:
         return torch.zeros((0, n), dtype=torch.bfloat16, device=a.device)
-    b = torch.stack([q._data for q in qweights]).transpose(1, 2)  # [E, K, N], column-major
-    col_scale = torch.stack([q._scale_inv.reshape(()) for q in qweights]).unsqueeze(1).expand(len(qweights), n)
-    return torch._scaled_grouped_mm(a._data, b, row_sinv, col_scale.contiguous(), offs=ends, out_dtype=torch.bfloat16,
+    b = torch.stack(weights).transpose(1, 2)  # [E, K, N], column-major
+    sinvs = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in weight_sinvs])
+    col_scale = sinvs.unsqueeze(1).expand(len(weights), n)
+    return torch._scaled_grouped_mm(a, b, row_sinv, col_scale.contiguous(), offs=ends, out_dtype=torch.bfloat16,
                                     use_fast_accum=use_fast_accum)
 
 
@@ -94,31 +96,31 @@ def _grouped_backward(plans: Sequence[Any], weights: Sequence[torch.Tensor], wgr
 
 class GroupedFP8Linear(torch.autograd.Function):
     """Experts' FP8 linears over row blocks. `apply(meta, *blocks, *weights)` with `meta = (x, splits,
-    qweights, states, plans, wgrad_in_fp8)`: `x` the whole input, `blocks` its row blocks (autograd inputs),
-    the rest as `fp8_linear` takes them per expert. Returns the `[rows, N]` bfloat16 output."""
+    qweights, states, plans, wgrad_in_fp8)`: `x` the whole 2-d input, `blocks` its row blocks (autograd
+    inputs), the rest as `fp8_linear` takes them per expert. Returns the `[rows, N]` bfloat16 output.
+
+    With delayed scaling and FP8 weight gradients (megatron's and TransformerEngine's defaults) the call keeps
+    one record per expert and the casts of all experts together (`_shared_casts_forward`), and its backward
+    is grouped or issued per expert straight from one grad cast. Otherwise (current scaling, high-precision
+    weight gradients) each expert keeps `fp8_linear`'s record and runs `linear_backward`."""
 
     @staticmethod
     def forward(ctx, meta: Tuple, *tensors: torch.Tensor) -> torch.Tensor:
         x2, splits, qweights, states, plans, wgrad_in_fp8 = meta
         n = len(splits)
         chunks, weights = tensors[:n], tensors[n:]
-        fmt = plans[0].recipe.fp8_format
-        fp8_wgrad = wgrad_in_fp8 and any(w.requires_grad for w in weights)
+        ctx.splits = splits
         ctx.grouped_backward = _grouped_backward(plans, weights, wgrad_in_fp8)
-        ctx.x_blocks = None
-        if _delayed(plans):
-            blocks = quantize_row_blocks(x2, splits, [p.forward_scale[0:1] for p in plans],
-                                         [p.forward_slots[0:1] for p in plans], fmt.forward_dtype, fp8_wgrad,
-                                         one_matrix=ctx.grouped_backward)
-            casts = [(blocks.block(i), blocks.block_transposed(i)._data if fp8_wgrad else None) for i in range(n)]
-            a, row_sinv = Float8Tensor(blocks.data, blocks.sinv[0], x2.dtype), blocks.row_sinv
-            ends = blocks.table[2]
-            if ctx.grouped_backward:  # the transposes' matrix and scale_invs; not the row-major data (freed)
-                ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
-                                                   row_sinv=blocks.row_sinv.new_empty(0))
+        ctx.shared = _delayed(plans) and wgrad_in_fp8
+        if ctx.shared:
+            return _shared_casts_forward(ctx, x2, chunks, weights, qweights, states, plans)
+        fmt = plans[0].recipe.fp8_format
+        if _delayed(plans):  # high-precision weight gradients: no transposes
+            blocks = quantize_row_blocks(x2, splits, [p.forward_scale for p in plans],
+                                         [p.forward_slots for p in plans], fmt.forward_dtype, False)
+            casts = [(blocks.block(i), None) for i in range(n)]
         else:  # current scaling: each expert's scale comes from its own amax first
             casts = [None] * n
-            a, row_sinv, ends = None, None, None
         records, saved, qxs = [], [], []
         for chunk, w, qw, state, plan, cast in zip(chunks, weights, qweights, states, plans, casts):
             record = types.SimpleNamespace()
@@ -126,15 +128,18 @@ class GroupedFP8Linear(torch.autograd.Function):
             records.append(record)
             saved.extend(to_save)
             qxs.append(qx)
-        if a is None:
-            a = Float8Tensor(torch.cat([q._data for q in qxs]), qxs[0]._scale_inv, x2.dtype)
+        if casts[0] is not None:
+            a, row_sinv, ends = blocks.data, blocks.row_sinv, blocks.table[2]
+        else:
+            a = torch.cat([q._data for q in qxs])
             row_sinv = torch.cat([q._scale_inv.reshape(1).expand(m) for q, m in zip(qxs, splits)])
             ends = torch.tensor(list(cumulative(splits)), dtype=torch.int64).to(x2.device, non_blocking=True)
         ctx.ends = ends.to(torch.int32)
-        y = grouped_gemm(a, row_sinv, qweights, ctx.ends)
+        y = grouped_gemm(a, row_sinv, [q._data for q in qweights], [q._scale_inv for q in qweights],
+                         ctx.ends)
         del a, qxs, casts
         ctx.save_for_backward(*saved)
-        ctx.records, ctx.splits = records, splits
+        ctx.records = records
         return y
 
     @staticmethod
@@ -148,10 +153,10 @@ class GroupedFP8Linear(torch.autograd.Function):
         records, splits = ctx.records, ctx.splits
         if ctx.grouped_backward:
             return (None, *_grouped_backward_gemms(ctx, saved, grad_out, n))
-        if _direct_backward_applies(records, ctx.needs_input_grad[1 : 1 + n]):
+        if ctx.shared:
             return (None, *_direct_expert_backward(ctx, saved, grad_out, n))
         grads_out = torch.split(grad_out, splits, dim=0)
-        casts = _grad_casts(records, grad_out, splits, ctx.needs_input_grad[1 + n :])
+        casts = _grad_casts(records, grad_out, splits)
         grad_x: List[Optional[torch.Tensor]] = [None] * n
         grad_w: List[Optional[torch.Tensor]] = [None] * n
         # the last expert first, as autograd runs the per-expert calls' nodes (newest first)
@@ -162,24 +167,66 @@ class GroupedFP8Linear(torch.autograd.Function):
         return (None, *grad_x, *grad_w)
 
 
+def _shared_casts_forward(ctx, x2: torch.Tensor, chunks: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                          qweights: Sequence[Any], states: Sequence[Any], plans: Sequence[Any]) -> torch.Tensor:
+    """Delayed scaling, FP8 weight gradients: every expert's input cast (and transpose) in one launch, one
+    grouped GEMM. Kept for backward: the inputs' transposes and scale_invs (`ctx.x_blocks`, the row-major
+    data freed) and per expert its weight's dgrad operand (`_weight_operand`: the cached FP8 transpose, or
+    the weight to re-cast; 4 saved tensors per expert)."""
+    fmt = plans[0].recipe.fp8_format
+    fp8_wgrad = any(w.requires_grad for w in weights)
+    blocks = quantize_row_blocks(x2, ctx.splits, [p.forward_scale for p in plans], [p.forward_slots for p in plans],
+                                 fmt.forward_dtype, fp8_wgrad, one_matrix=ctx.grouped_backward)
+    ctx.ends = blocks.table[2].to(torch.int32)
+    y = grouped_gemm(blocks.data, blocks.row_sinv, [q._data for q in qweights],
+                     [q._scale_inv for q in qweights], ctx.ends)
+    ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
+                                       row_sinv=blocks.row_sinv.new_empty(0))
+    needs_x = bool(chunks) and chunks[0].requires_grad
+    records, saved = [], []
+    for w, qw, state, plan in zip(weights, qweights, states, plans):
+        w_saved, cached = _weight_operand(w, qw, state, plan) if needs_x else ([None] * 4, None)
+        saved.extend(w_saved)
+        records.append(types.SimpleNamespace(plan=plan, state=state, cached_weight=cached, w_dtype=w.dtype))
+    ctx.x_dtype = x2.dtype
+    ctx.save_for_backward(*saved)
+    ctx.records = records
+    return y
+
+
 def _backward_blocks(records: Sequence[Any], grad_out: torch.Tensor, splits: Sequence[int], with_transpose: bool,
                      one_matrix: bool) -> RowBlocks:
     """Every expert's grad_output cast in one launch (delayed scaling). The experts' backward amax slots are
     registered last expert first, as the per-expert calls' backward nodes run."""
-    slots = {i: _backward_slot(records[i].plan, records[i].state) for i in reversed(range(len(records)))}
+    key = records[0].plan.key_state
+    if key is not None:
+        slots = key.backward.slots_of([r.state.bwd for r in reversed(records)])[::-1]
+    else:
+        slots = [_backward_slot(r.plan, r.state) for r in records]
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    return quantize_row_blocks(g2, splits, [r.state.bwd.scale for r in records], [slots[i] for i in range(len(records))],
+    return quantize_row_blocks(g2, splits, [r.state.bwd.scale for r in records], slots,
                                records[0].plan.recipe.fp8_format.backward_dtype, with_transpose, one_matrix=one_matrix)
 
 
-def _grad_casts(records: Sequence[Any], grad_out: torch.Tensor, splits: Sequence[int], needs_weight_grad):
-    """`(qg, qg_t or None)` per expert for `linear_backward` from one cast launch (delayed scaling); `[None] * E`
-    (each expert casts its own) otherwise."""
+def _grad_casts(records: Sequence[Any], grad_out: torch.Tensor, splits: Sequence[int]):
+    """`(qg, None)` per expert for `linear_backward` from one cast launch (delayed scaling, high-precision weight
+    gradients); `[None] * E` (each expert casts its own) under current scaling."""
     if not _delayed([r.plan for r in records]):
         return [None] * len(records)
-    fp8_wgrad = [r.wgrad_in_fp8 and need for r, need in zip(records, needs_weight_grad)]
-    blocks = _backward_blocks(records, grad_out, splits, any(fp8_wgrad), one_matrix=False)
-    return [(blocks.block(i), blocks.block_transposed(i) if fp8_wgrad[i] else None) for i in range(len(records))]
+    blocks = _backward_blocks(records, grad_out, splits, False, one_matrix=False)
+    return [(blocks.block(i), None) for i in range(len(records))]
+
+
+def _dgrad_operands(ctx, saved) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per expert its weight's FP8 transpose `[K, N]` and scale_inv (the cached pair, or a re-cast)."""
+    out = []
+    for i, r in enumerate(ctx.records):
+        if r.cached_weight is not None and r.cached_weight[0] is not None:
+            out.append(r.cached_weight)
+        else:
+            w_t = _weight_transposed(saved[4 * i : 4 * i + 4], r.cached_weight, r.plan, r.w_dtype)
+            out.append((w_t._data, w_t._scale_inv))
+    return out
 
 
 def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor, n: int):
@@ -188,56 +235,52 @@ def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor, n: int):
     g = _backward_blocks(records, grad_out, ctx.splits, with_transpose=True, one_matrix=True)
     grad_x = [None] * n
     if any(ctx.needs_input_grad[1 : 1 + n]):
-        w_t = [_weight_transposed(saved[i * SAVED_PER_LINEAR + 4 : i * SAVED_PER_LINEAR + 8], r.cached_weight, r.plan,
-                                  r.w_dtype) for i, r in enumerate(records)]
-        a = Float8Tensor(g.data, g.sinv[0], grad_out.dtype)
-        dx = grouped_gemm(a, g.row_sinv, w_t, ctx.ends, use_fast_accum=False)
-        grad_x = [c.view(r.x_shape) for c, r in zip(torch.split(dx, ctx.splits, dim=0), records)]
+        w_t = _dgrad_operands(ctx, saved)
+        dx = grouped_gemm(g.data, g.row_sinv, [w for w, _ in w_t], [s for _, s in w_t], ctx.ends, use_fast_accum=False)
+        grad_x = torch.split(dx, ctx.splits, dim=0)
     dw = grouped_wgrad(g, ctx.x_blocks)
-    for r in reversed(records):
-        _backward_done(r.plan)
+    experts_backward_done([r.plan for r in records])
     return (*grad_x, *dw.unbind(0))
-
-
-def _direct_backward_applies(records: Sequence[Any], needs_input_grad: Sequence[bool]) -> bool:
-    """Whether `_direct_expert_backward` serves this backward: delayed scaling, FP8 weight gradients, and each
-    expert's FP8 weight transpose cached (or its input gradient not needed)."""
-    return _delayed([r.plan for r in records]) and all(
-        r.wgrad_in_fp8 and (not need or (r.cached_weight is not None and r.cached_weight[0] is not None))
-        for r, need in zip(records, needs_input_grad))
 
 
 def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor, n: int):
     """The per-expert backward GEMMs (HYBRID: E5M2 gradients, which torch's grouped GEMM does not take) issued
-    straight from the one-launch grad cast's views: the GEMMs, operands, scales and order of `linear_backward`
-    per expert (so the same bytes), without a Float8Tensor or an `fp8_gemm` check per operand. The grouped
-    path guarantees what that generality is for here: aligned features and 16-byte aligned views (`RowBlocks`),
-    no biases, no sequence parallelism, no delayed weight gradients."""
+    straight from the one-launch grad cast and the forward's shared input casts: the GEMMs, operands, scales
+    and order of `linear_backward` per expert (so the same bytes), without a Float8Tensor or an `fp8_gemm`
+    check per operand. The grouped path guarantees what that generality is for here: aligned features and
+    16-byte aligned views (`RowBlocks`), no biases, no sequence parallelism, no delayed weight gradients."""
     records, splits = ctx.records, ctx.splits
     needs_x, needs_w = ctx.needs_input_grad[1 : 1 + n], ctx.needs_input_grad[1 + n :]
     g = _backward_blocks(records, grad_out, splits, any(needs_w), one_matrix=False)
-    n_out = grad_out.shape[-1]
+    x = ctx.x_blocks
+    n_out, k = grad_out.shape[-1], x.data.shape[1]
+    g_sinv = g.sinv[::SINV_STRIDE].unbind(0)  # 0-d views, 16 bytes apart
     grad_x: List[Optional[torch.Tensor]] = [None] * n
     grad_w: List[Optional[torch.Tensor]] = [None] * n
-    for i in reversed(range(n)):  # the last expert first, as autograd runs the per-expert calls' nodes
-        r, m, start = records[i], splits[i], g.starts[i]
-        g_sinv = g.sinv[i * SINV_STRIDE]
-        if needs_x[i]:
-            qw_t, qw_sinv = r.cached_weight
-            k = qw_t.shape[0]
-            if m == 0:
-                dx = torch.zeros((0, k), dtype=r.x_dtype, device=grad_out.device)
+    if any(needs_x):
+        w_t = _dgrad_operands(ctx, saved)
+        g_rows = g.data.split(splits)
+        for i in reversed(range(n)):  # the last expert first, as autograd runs the per-expert calls' nodes
+            if not needs_x[i]:
+                continue
+            if splits[i] == 0:
+                grad_x[i] = torch.zeros((0, k), dtype=ctx.x_dtype, device=grad_out.device)
             else:
-                dx = torch._scaled_mm(g.data[start : start + m], qw_t.t(), scale_a=g_sinv,
-                                      scale_b=_aligned(qw_sinv.reshape(()).float()), out_dtype=r.x_dtype)
-            grad_x[i] = dx.view(r.x_shape)
-        if needs_w[i]:
-            x_t, x_sinv = saved[i * SAVED_PER_LINEAR], saved[i * SAVED_PER_LINEAR + 3]
+                qw_t, qw_sinv = w_t[i]
+                grad_x[i] = torch._scaled_mm(g_rows[i], qw_t.t(), scale_a=g_sinv[i], scale_b=_scale_operand(qw_sinv),
+                                             out_dtype=ctx.x_dtype)
+    if any(needs_w):
+        x_sinv = x.sinv[::SINV_STRIDE].unbind(0)
+        for i in reversed(range(n)):
+            if not needs_w[i]:
+                continue
             ps, pm = g.padded_starts[i], g.padded_rows[i]
             if pm == 0:
-                grad_w[i] = torch.zeros((n_out, x_t.shape[0]), dtype=r.w_dtype, device=grad_out.device)
-            else:
-                g_t = g.transposes[n_out * ps : n_out * (ps + pm)].view(n_out, pm)
-                grad_w[i] = torch._scaled_mm(g_t, x_t.t(), scale_a=g_sinv, scale_b=x_sinv, out_dtype=r.w_dtype)
-        _backward_done(r.plan)
+                grad_w[i] = torch.zeros((n_out, k), dtype=records[i].w_dtype, device=grad_out.device)
+                continue
+            # block i's transposes, [N, padded] row-major and [K, padded] as its column-major transpose
+            g_t = g.transposes.as_strided((n_out, pm), (pm, 1), n_out * ps)
+            x_t = x.transposes.as_strided((pm, k), (1, pm), k * ps)
+            grad_w[i] = torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i], out_dtype=records[i].w_dtype)
+    experts_backward_done([r.plan for r in records])
     return (*grad_x, *grad_w)

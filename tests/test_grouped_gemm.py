@@ -176,6 +176,52 @@ def test_grouped_path_matches_per_expert_path_emulated(rname, monkeypatch):
     assert len(direct) == (3 if rname == "delayed-hybrid" else 0), f"direct backward ran {len(direct)} times"
 
 
+@pytest.mark.parametrize("rname", ["delayed-hybrid", "delayed-e4m3"])
+def test_cached_expert_weights_live_in_one_stack(rname, monkeypatch):
+    """With weight caching the experts' FP8 casts live in one stacked home the grouped GEMMs take without
+    stacking per call; every expert's cached transpose stays current (a view sharing the stack's version
+    counter would look stale), and a weight updated in place between microbatches is cast again into the
+    stack with its new scale: grouped and per-expert paths agree at every call."""
+    from fp8_parallel.modules._grouped_gemm import ExpertWeightStack
+
+    calls: List[int] = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    fp8_stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: fp8_stacks.append(ts[0].dtype in (
+        torch.float8_e4m3fn, torch.float8_e5m2)) or real_stack(ts, *a, **k))
+    seed = _seed(f"grouped-weight-stack/{rname}")
+    gen = torch.Generator().manual_seed(seed)
+    grouped, per_expert = _twins(seed, "cpu")
+    rows = sum(SPLITS)
+    for call, first in enumerate((True, False, False, False)):
+        where = f"call {call} (seed {seed})"
+        if call == 2:  # an optimizer-like in-place update without a new first microbatch: cast again
+            with torch.no_grad():
+                for lin in (grouped, per_expert):
+                    lin.weight2.mul_(4.0)
+        x = (torch.randn(rows, IN, generator=gen) * 2).to(torch.bfloat16)
+        dy = torch.randn(rows, OUT, generator=gen).to(torch.bfloat16)
+        del fp8_stacks[:]
+        ya, gxa = _run(grouped, x, dy, rname, True, monkeypatch, first)
+        assert not any(fp8_stacks), f"the FP8 weights were stacked per call {where}"
+        stack = grouped.fp8[0].expert_stack
+        assert isinstance(stack, ExpertWeightStack), where
+        for i, st in enumerate(grouped.fp8):
+            assert st.weight_fp8 is stack.views[i], f"expert {i}'s cache is not the stack's view {where}"
+            assert st.weight_fp8.has_current_transpose(), f"expert {i}'s cached transpose looks stale {where}"
+        yb, gxb = _run(per_expert, x, dy, rname, False, monkeypatch, first)
+        _close(ya, yb, "output", where)
+        (_close if rname == "delayed-e4m3" else _equal)(gxa, gxb, "input grad", where)
+        for i in range(len(SPLITS)):
+            wa, wb = getattr(grouped, f"weight{i}"), getattr(per_expert, f"weight{i}")
+            assert torch.equal(grouped.fp8[i].weight_fp8._scale_inv, per_expert.fp8[i].weight_fp8._scale_inv), where
+            wa.grad = wb.grad = None
+    # the update moved weight2's scale: its scale_inv in the stack follows (the column scales were made again)
+    assert grouped.fp8[2].weight_fp8._scale_inv.item() != grouped.fp8[0].weight_fp8._scale_inv.item(), f"seed {seed}"
+
+
 def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
     """Biases, a float32 input, delayed weight gradients, FP8 off, checkpointed regions and a
     TransformerEngine-signature module not asking for it take the per-expert GEMMs; a no_grad call takes the

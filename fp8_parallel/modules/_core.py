@@ -61,6 +61,7 @@ class FP8State(torch.nn.Module):
         self.register_buffer("recipe", torch.zeros(6, dtype=torch.int64, device=device))
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)
         self.weight_version: Optional[int] = None  # the weight's version counter when it was cached
+        self.expert_stack = None  # first expert of a grouped linear: all experts' weight caches in one home
         self._prepared_for: Optional[Recipe] = None
 
     def prepare(self, recipe: Recipe) -> None:

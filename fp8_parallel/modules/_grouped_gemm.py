@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,20 +54,86 @@ def cumulative(splits: Sequence[int]) -> Iterator[int]:
         yield total
 
 
+class ExpertWeightStack:
+    """The experts' cached FP8 weights in one home: data `[E, N, K]`, transposes `[E, K, N]` and scale_invs
+    (16 bytes apart), each expert's cache (`FP8State.weight_fp8`) a Float8Tensor viewing its slices. The
+    weight casts write into the views in place (as into any cache), and the grouped GEMMs take the stacks as
+    they are: no copy of every expert's FP8 weight per call. Kept on the first expert's state
+    (`FP8State.expert_stack`); it serves a call only while every expert's cache is still its view."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], fp8_dtype: torch.dtype):
+        e, (n, k), device = len(weights), weights[0].shape, weights[0].device
+        self.data = torch.empty((e, n, k), dtype=fp8_dtype, device=device)
+        self.transposes = torch.empty((e, k, n), dtype=fp8_dtype, device=device)
+        self.sinv = torch.ones(e * SINV_STRIDE, dtype=torch.float32, device=device)
+        self.views = []
+        for i in range(e):
+            view = Float8Tensor(_own_version(self.data, i), self.sinv[i * SINV_STRIDE], weights[i].dtype)
+            view._transpose_cache.buffer = self.transposes[i]
+            self.views.append(view)
+        self._columns: Dict[int, Tuple[int, torch.Tensor]] = {}  # n -> (casts written, [E, n] scales)
+
+    def fits(self, weights: Sequence[torch.Tensor], fp8_dtype: torch.dtype) -> bool:
+        """Whether these weights' casts can live here (count, shape, FP8 dtype)."""
+        return (len(weights) == len(self.views) and self.data.dtype == fp8_dtype
+                and all(w.shape == v.shape for w, v in zip(weights, self.views)))
+
+    def serves(self, qweights: Sequence[Any]) -> bool:
+        """Whether `qweights` are exactly this stack's views (the casts a call uses)."""
+        return len(qweights) == len(self.views) and all(q is v for q, v in zip(qweights, self.views))
+
+    def column_scales(self, n: int) -> torch.Tensor:
+        """`[E, n]` contiguous: each expert's weight scale_inv repeated per output feature, made again only
+        after a weight cast wrote the views (counted by their casts: a kernel's writes bump no version)."""
+        written = sum(v._transpose_cache.writes for v in self.views)
+        cached = self._columns.get(n)
+        if cached is None or cached[0] != written:
+            cols = self.sinv[::SINV_STRIDE].unsqueeze(1).expand(len(self.views), n).contiguous()
+            self._columns[n] = cached = (written, cols)
+        return cached[1]
+
+
+def _own_version(stack: torch.Tensor, i: int) -> torch.Tensor:
+    """`stack[i]` as a tensor on the same memory with its own version counter: a view would share the
+    stack's, so writing one expert's cast would make every other cache's transpose look stale."""
+    part = stack[i]
+    t = torch.empty(0, dtype=stack.dtype, device=stack.device)
+    return t.set_(stack.untyped_storage(), part.storage_offset(), part.shape, part.stride())
+
+
+def stacked_weights(weights: Sequence[torch.Tensor], states: Sequence[Any], fp8_dtype: torch.dtype) -> None:
+    """Before a grouped call's cached weight casts: give the experts' caches one `ExpertWeightStack` home
+    (once; again when the weights' shapes or FP8 dtype change). A new home's views are stale, so the casts
+    that follow fill them."""
+    stack = states[0].expert_stack
+    if stack is not None and stack.fits(weights, fp8_dtype):
+        if stack.serves([s.weight_fp8 for s in states]):
+            return
+    stack = ExpertWeightStack(weights, fp8_dtype)
+    for state, view in zip(states, stack.views):
+        state.weight_fp8, state.weight_version = view, None
+    states[0].expert_stack = stack
+
+
 def grouped_gemm(a: torch.Tensor, row_sinv: torch.Tensor, weights: Sequence[torch.Tensor],
-                 weight_sinvs: Sequence[torch.Tensor], ends: torch.Tensor, use_fast_accum: bool = True) -> torch.Tensor:
+                 weight_sinvs: Sequence[torch.Tensor], ends: torch.Tensor, use_fast_accum: bool = True,
+                 stacked: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """`[rows, N]` bfloat16: each expert's rows of `a` times its FP8 weight (`weights[i]`: `[N, K]`, K
     contiguous; `a @ W.T` per expert), as one `torch._scaled_grouped_mm`. `a`: the experts' FP8 rows,
     `row_sinv [rows]` each row's scale_inv; `ends`: the experts' row ends (int32, on the device). The per-tensor
     weight scales (`weight_sinvs[i]`, one element each) become row-wise scales of the second operand (each expert's
-    scale_inv per output feature)."""
-    n = weights[0].shape[0]
+    scale_inv per output feature). `stacked`: the weights already as one `[E, N, K]` tensor and their `[E, N]`
+    column scales (`ExpertWeightStack`), used instead of stacking `weights`."""
+    n = stacked[0].shape[1] if stacked is not None else weights[0].shape[0]
     if a.shape[0] == 0:
         return torch.zeros((0, n), dtype=torch.bfloat16, device=a.device)
-    b = torch.stack(weights).transpose(1, 2)  # [E, K, N], column-major
-    sinvs = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in weight_sinvs])
-    col_scale = sinvs.unsqueeze(1).expand(len(weights), n)
-    return torch._scaled_grouped_mm(a, b, row_sinv, col_scale.contiguous(), offs=ends, out_dtype=torch.bfloat16,
+    if stacked is not None:
+        b, col_scale = stacked[0].transpose(1, 2), stacked[1]
+    else:
+        b = torch.stack(weights).transpose(1, 2)  # [E, K, N], column-major
+        sinvs = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in weight_sinvs])
+        col_scale = sinvs.unsqueeze(1).expand(len(weights), n).contiguous()
+    return torch._scaled_grouped_mm(a, b, row_sinv, col_scale, offs=ends, out_dtype=torch.bfloat16,
                                     use_fast_accum=use_fast_accum)
 
 
@@ -178,8 +244,11 @@ def _shared_casts_forward(ctx, x2: torch.Tensor, chunks: Sequence[torch.Tensor],
     blocks = quantize_row_blocks(x2, ctx.splits, [p.forward_scale for p in plans], [p.forward_slots for p in plans],
                                  fmt.forward_dtype, fp8_wgrad, one_matrix=ctx.grouped_backward)
     ctx.ends = blocks.table[2].to(torch.int32)
-    y = grouped_gemm(blocks.data, blocks.row_sinv, [q._data for q in qweights],
-                     [q._scale_inv for q in qweights], ctx.ends)
+    stack = states[0].expert_stack
+    ctx.stack = stack if stack is not None and stack.serves(qweights) else None
+    n = qweights[0].shape[0]
+    y = grouped_gemm(blocks.data, blocks.row_sinv, [q._data for q in qweights], [q._scale_inv for q in qweights],
+                     ctx.ends, stacked=None if ctx.stack is None else (ctx.stack.data, ctx.stack.column_scales(n)))
     ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
                                        row_sinv=blocks.row_sinv.new_empty(0))
     needs_x = bool(chunks) and chunks[0].requires_grad
@@ -235,8 +304,11 @@ def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor, n: int):
     g = _backward_blocks(records, grad_out, ctx.splits, with_transpose=True, one_matrix=True)
     grad_x = [None] * n
     if any(ctx.needs_input_grad[1 : 1 + n]):
-        w_t = _dgrad_operands(ctx, saved)
-        dx = grouped_gemm(g.data, g.row_sinv, [w for w, _ in w_t], [s for _, s in w_t], ctx.ends, use_fast_accum=False)
+        stack = ctx.stack
+        w_t = _dgrad_operands(ctx, saved) if stack is None else [(None, None)]
+        stacked = None if stack is None else (stack.transposes, stack.column_scales(stack.transposes.shape[1]))
+        dx = grouped_gemm(g.data, g.row_sinv, [w for w, _ in w_t], [s for _, s in w_t], ctx.ends, use_fast_accum=False,
+                          stacked=stacked)
         grad_x = torch.split(dx, ctx.splits, dim=0)
     dw = grouped_wgrad(g, ctx.x_blocks)
     experts_backward_done([r.plan for r in records])

@@ -19,10 +19,8 @@ FAST_LAUNCH = True  # launch cached compiled kernels directly (False: always thr
 
 
 def _specialization(arg: Any) -> Any:
-    """What Triton specializes a compiled kernel on, for one argument: a tensor's dtype and 16-byte alignment,
-    an integer's width, being 1 and divisibility by 16 (floats and None are not specialized)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
+    """What Triton specializes a compiled kernel on, for one scalar argument: an integer's width, being 1 and
+    divisibility by 16 (floats and None are not specialized; tensors are keyed by `_Launcher._key`)."""
     if isinstance(arg, bool) or not isinstance(arg, int):
         return type(arg)
     return -(2**31) <= arg < 2**31, arg == 1, arg % 16 == 0
@@ -263,7 +261,6 @@ def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor
     says, on the device, `tiles` the blocks' tiles of `BLOCKS_TILE_M` rows in all; `transposes`: a flat buffer of
     `padded_total * N` elements (zeroed where an empty block's padding is), or None."""
     from .quantize import SINV_STRIDE
-    from .recipe import fp8_max
 
     N = x2.shape[1]
     E = table.shape[-1]

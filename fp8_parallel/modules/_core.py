@@ -247,19 +247,18 @@ def cast_weight(
     noop_flag = getattr(plan.key_state, "weight_noop_flag", None)
     # a cache is never used stale: a weight updated in place since it was cached (an optimizer step without
     # a new first microbatch) is cast again
-    if (is_first_microbatch is False and noop_flag is None and cached is not None
-            and state.weight_version == weight._version and cached.shape == weight.shape):
+    current = cached is not None and state.weight_version == weight._version and cached.shape == weight.shape
+    if is_first_microbatch is False and noop_flag is None and current:
         return cached  # checked first: the common call of a step's later microbatches
     fmt = plan.recipe.fp8_format
-    slot = plan.forward_slots[FWD_WEIGHT : FWD_WEIGHT + 1] if plan.forward_slots is not None else None
+    slot = _forward_slot(plan, FWD_WEIGHT)
     scale = _forward_scale(plan, FWD_WEIGHT)
     if noop_flag is not None:  # recorded for a graphed callable with weight caching: the flag decides on replay
         return _cast_weight_under_flag(weight, state, plan, noop_flag, scale, slot)
     if is_first_microbatch is None:  # transpose re-cast in backward
         return _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype,
                      out=_weight_out(weight, fmt.forward_dtype, None, with_transpose=False))
-    stale = cached is None or cached.shape != weight.shape or state.weight_version != weight._version
-    if is_first_microbatch or stale:
+    if is_first_microbatch or not current:
         reuse = cached if cached is not None and cached.shape == weight.shape else None
         state.weight_fp8 = _cast(weight, plan.recipe, scale, slot, fmt.forward_dtype,
                                  out=_weight_out(weight, fmt.forward_dtype, reuse, with_transpose=True),
@@ -284,6 +283,11 @@ def _cast_weight_under_flag(weight, state: FP8State, plan: _Plan, noop_flag: tor
     return state.weight_fp8
 
 
+def _forward_slot(plan: _Plan, index: int) -> Optional[torch.Tensor]:
+    """Forward amax slot `index` of the plan (`[1]`; None under current scaling)."""
+    return plan.forward_slots[index : index + 1] if plan.forward_slots is not None else None
+
+
 def _forward_scale(plan: _Plan, index: int) -> Optional[torch.Tensor]:
     """`plan.forward_scale[index : index + 1]` (None under current scaling): a view kept by the meta when the
     plan's scales are the meta's own buffer, so the common call makes no view."""
@@ -302,7 +306,7 @@ def _input_operand(x, x2, plan: _Plan, fp8_wgrad: bool, leaf: bool):
     one fused pass writes the FP8 input and its transpose, and only the transpose (1 byte/element) is kept.
     """
     fmt = plan.recipe.fp8_format
-    slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
+    slot = _forward_slot(plan, FWD_INPUT)
     if fp8_wgrad and leaf:
         x_scale = _input_scale(x2, plan, fmt.forward_dtype)
         return _cast(x2, plan.recipe, x_scale, slot, fmt.forward_dtype), [None, x, x_scale]
@@ -405,7 +409,7 @@ def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan
         qx, x_saved = _input_operand(x, x2, plan, fp8_wgrad, x.grad_fn is None)
     else:
         # sequence parallel: cast the local shard, all-gather FP8 bytes (half of bf16's), transpose after
-        slot = plan.forward_slots[FWD_INPUT : FWD_INPUT + 1] if plan.forward_slots is not None else None
+        slot = _forward_slot(plan, FWD_INPUT)
         scale = _forward_scale(plan, FWD_INPUT)
         qx = all_gather_fp8(_cast(x2, plan.recipe, scale, slot, fmt.forward_dtype), sp_group)
         x_saved = [qx.transpose_2d()._data if fp8_wgrad else None, None, None]

@@ -357,7 +357,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
         _host_profile(step, device, variant, args.host_profile)
     busy, by_cat, top = _profile(step, device)
     wall = statistics.median(times)
-    result = dict(variant=variant, wall_ms=wall, busy_ms=busy, tokens_s=size.tokens / (wall / 1e3),
+    result = dict(variant=variant, wall_ms=wall, wall_range_ms=(min(times), max(times)), busy_ms=busy, tokens_s=size.tokens / (wall / 1e3),
                   tflops=size.model_flops() / (wall / 1e3) / 1e12, peak_alloc=peak_alloc,
                   peak_reserved=peak_reserved, loss=first_loss, by_cat=by_cat, top=top)
     if graphed is not None:
@@ -491,8 +491,9 @@ def main(argv: List[str]) -> None:
             results.append(run_variant(v, size, args, weights, batches))
             r = results[-1]
             if rank0:
-                print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms, busy {r['busy_ms']:.1f} ms, "
-                  f"{r['tokens_s']:.0f} tokens/s, loss {r['loss']:.4f}", flush=True)
+                print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms (steps {r['wall_range_ms'][0]:.1f}-"
+                      f"{r['wall_range_ms'][1]:.1f}), busy {r['busy_ms']:.1f} ms, "
+                      f"{r['tokens_s']:.0f} tokens/s, loss {r['loss']:.4f}", flush=True)
     if rank0:
         report(results, size, layout, _knobs(args))
         dump(args.out)

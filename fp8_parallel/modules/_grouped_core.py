@@ -26,8 +26,8 @@ import torch
 from ..scopes import current_scope
 from ..tensor import Float8Tensor
 from ._core import FP8State, cast_weight, expert_plans, features_unaligned, fp8_linear, settle_experts_backward
-from ._grouped_gemm import (GroupedFP8Linear, cumulative, device_has_bf16_grouped_gemm, device_has_grouped_gemm,
-                            stacked_weights)
+from ._grouped_gemm import (GroupedFP8Linear, GroupedSharedCastsLinear, cumulative, device_has_bf16_grouped_gemm,
+                            device_has_grouped_gemm, shares_casts, stacked_weights)
 from ._recompute import checkpoint_region
 
 GROUPED_GEMM = True  # False: never the grouped FP8 GEMM, whatever a module asks for (per-expert GEMMs)
@@ -145,7 +145,10 @@ def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[t
     if is_first_microbatch is not None:  # cached casts: written into one stacked home the grouped GEMMs take
         stacked_weights(weights, states, plans[0].recipe.fp8_format.forward_dtype)
     qweights = [cast_weight(w, state, plan, is_first_microbatch) for w, state, plan in zip(weights, states, plans)]
-    chunks = torch.split(x, splits, dim=0)
-    out = GroupedFP8Linear.apply((x, splits, qweights, states, plans, wgrad_in_fp8), *chunks, *weights)
+    if shares_casts(plans, wgrad_in_fp8):
+        out = GroupedSharedCastsLinear.apply((splits, qweights, states, plans), x, *weights)
+    else:
+        chunks = torch.split(x, splits, dim=0)
+        out = GroupedFP8Linear.apply((x, splits, qweights, states, plans, wgrad_in_fp8), *chunks, *weights)
     settle_experts_backward(plans, out)
     return out

@@ -1,17 +1,18 @@
-"""The experts' FP8 linears as one autograd Function on torch's grouped FP8 GEMM (`torch._scaled_grouped_mm`).
+"""The experts' FP8 linears as autograd Functions on torch's grouped FP8 GEMM (`torch._scaled_grouped_mm`).
 
 Forward: one grouped GEMM. Each expert's input is cast with its own scale into its rows of one FP8 buffer
-(with delayed scaling all experts in one launch, `quantize_row_blocks`), the experts' FP8 weights are
-stacked, and the per-tensor scales become the GEMM's row-wise scales (one per token row, one per expert
-output feature).
+(with delayed scaling all experts in one launch, `quantize_row_blocks`), the experts' FP8 weights are taken
+as one stack (`ExpertWeightStack`, where the weight casts are cached; else stacked per call), and the
+per-tensor scales become the GEMM's row-wise scales (one per token row, one per expert output feature).
 
-Backward: with delayed scaling all experts' grad_outputs are cast in one launch. The GEMMs are grouped when
-their operands are E4M3 (the E4M3 format) and every expert's weight takes a bfloat16 gradient in FP8: the input
-gradient as one grouped GEMM over the rows, the weight gradients as one grouped GEMM contracting over each
-expert's rows (its operands, the inputs' and grad_outputs' transposes, stored as one matrix each with every
-expert's rows padded to 16 with zeros). torch's grouped FP8 GEMM takes no E5M2, so HYBRID's gradients run one
-GEMM per expert: issued straight from the grad cast's views when every weight's FP8 transpose is cached
-(`_direct_expert_backward`), else through `linear_backward` as `fp8_linear`'s.
+Backward, with delayed scaling and FP8 weight gradients (`GroupedSharedCastsLinear`): all experts'
+grad_outputs are cast in one launch. The GEMMs are grouped when their operands are E4M3 (the E4M3 format)
+and every expert's weight takes a bfloat16 gradient: the input gradient as one grouped GEMM over the rows,
+the weight gradients as one grouped GEMM contracting over each expert's rows (its operands, the inputs' and
+grad_outputs' transposes, stored as one matrix each with every expert's rows padded to 16 with zeros).
+torch's grouped FP8 GEMM takes no E5M2, so HYBRID's gradients run one GEMM per expert, issued straight from
+the casts' buffers (`_direct_expert_backward`). Under current scaling or with high-precision weight
+gradients (`GroupedFP8Linear`) each expert runs `fp8_linear`'s backward (`linear_backward`).
 """
 from __future__ import annotations
 
@@ -160,15 +161,66 @@ def _grouped_backward(plans: Sequence[Any], weights: Sequence[torch.Tensor], wgr
             and all(w.requires_grad and w.dtype == torch.bfloat16 for w in weights))
 
 
-class GroupedFP8Linear(torch.autograd.Function):
-    """Experts' FP8 linears over row blocks. `apply(meta, *blocks, *weights)` with `meta = (x, splits,
-    qweights, states, plans, wgrad_in_fp8)`: `x` the whole 2-d input, `blocks` its row blocks (autograd
-    inputs), the rest as `fp8_linear` takes them per expert. Returns the `[rows, N]` bfloat16 output.
+def shares_casts(plans: Sequence[Any], wgrad_in_fp8: bool) -> bool:
+    """Whether a grouped call runs as `GroupedSharedCastsLinear` (delayed scaling and FP8 weight gradients,
+    megatron's and TransformerEngine's defaults) rather than `GroupedFP8Linear`."""
+    return wgrad_in_fp8 and _delayed(plans)
 
-    With delayed scaling and FP8 weight gradients (megatron's and TransformerEngine's defaults) the call keeps
-    one record per expert and the casts of all experts together (`_shared_casts_forward`), and its backward
-    is grouped or issued per expert straight from one grad cast. Otherwise (current scaling, high-precision
-    weight gradients) each expert keeps `fp8_linear`'s record and runs `linear_backward`."""
+
+class GroupedSharedCastsLinear(torch.autograd.Function):
+    """Experts' FP8 linears with delayed scaling and FP8 weight gradients. `apply(meta, x, *weights)` with
+    `meta = (splits, qweights, states, plans)` (as `fp8_linear` takes them per expert), `x` the whole 2-d
+    input: returns the `[rows, N]` bfloat16 output, and its backward the whole input gradient.
+
+    Forward: every expert's input cast (and transpose) in one launch, one grouped GEMM. Kept for backward:
+    the inputs' transposes and scale_invs (`ctx.x_blocks`, the row-major data freed), and per expert a record
+    and its weight's dgrad operand (`_weight_operand`: the cached FP8 transpose, or the weight to re-cast; 4
+    saved tensors per expert). Backward: one grad cast for all experts, then grouped GEMMs (E4M3) or the
+    per-expert GEMMs issued directly (HYBRID)."""
+
+    @staticmethod
+    def forward(ctx, meta: Tuple, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        splits, qweights, states, plans = meta
+        ctx.splits = splits
+        ctx.grouped_backward = _grouped_backward(plans, weights, True)
+        fmt = plans[0].recipe.fp8_format
+        fp8_wgrad = any(w.requires_grad for w in weights)
+        blocks = quantize_row_blocks(x, splits, [p.forward_scale for p in plans], [p.forward_slots for p in plans],
+                                     fmt.forward_dtype, fp8_wgrad, one_matrix=ctx.grouped_backward)
+        ctx.ends = blocks.table[2].to(torch.int32)
+        stack = states[0].expert_stack
+        ctx.stack = stack if stack is not None and stack.serves(qweights) else None
+        n = qweights[0].shape[0]
+        y = grouped_gemm(blocks.data, blocks.row_sinv, [q._data for q in qweights], [q._scale_inv for q in qweights],
+                         ctx.ends, stacked=None if ctx.stack is None else (ctx.stack.data, ctx.stack.column_scales(n)))
+        ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
+                                           row_sinv=blocks.row_sinv.new_empty(0))
+        records, saved = [], []
+        for w, qw, state, plan in zip(weights, qweights, states, plans):
+            w_saved, cached = _weight_operand(w, qw, state, plan) if x.requires_grad else ([None] * 4, None)
+            saved.extend(w_saved)
+            records.append(types.SimpleNamespace(plan=plan, state=state, cached_weight=cached, w_dtype=w.dtype))
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(*saved)
+        ctx.records = records
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        def run():
+            saved = ctx.saved_tensors
+            grads = (_grouped_backward_gemms if ctx.grouped_backward else _direct_expert_backward)(ctx, saved, grad_out)
+            return (None, *grads)
+
+        return backward_outside_autocast(run, grad_out.device.type)
+
+
+class GroupedFP8Linear(torch.autograd.Function):
+    """Experts' FP8 linears under current scaling or with high-precision weight gradients. `apply(meta,
+    *blocks, *weights)` with `meta = (x, splits, qweights, states, plans, wgrad_in_fp8)`: `x` the whole 2-d
+    input, `blocks` its row blocks (autograd inputs), the rest as `fp8_linear` takes them per expert. One
+    grouped forward GEMM; each expert keeps `fp8_linear`'s record and runs `linear_backward` (with delayed
+    scaling from one grad cast for all experts). Returns the `[rows, N]` bfloat16 output."""
 
     @staticmethod
     def forward(ctx, meta: Tuple, *tensors: torch.Tensor) -> torch.Tensor:
@@ -176,10 +228,6 @@ class GroupedFP8Linear(torch.autograd.Function):
         n = len(splits)
         chunks, weights = tensors[:n], tensors[n:]
         ctx.splits = splits
-        ctx.grouped_backward = _grouped_backward(plans, weights, wgrad_in_fp8)
-        ctx.shared = _delayed(plans) and wgrad_in_fp8
-        if ctx.shared:
-            return _shared_casts_forward(ctx, x2, chunks, weights, qweights, states, plans)
         fmt = plans[0].recipe.fp8_format
         if _delayed(plans):  # high-precision weight gradients: no transposes
             blocks = quantize_row_blocks(x2, splits, [p.forward_scale for p in plans],
@@ -200,9 +248,8 @@ class GroupedFP8Linear(torch.autograd.Function):
             a = torch.cat([q._data for q in qxs])
             row_sinv = torch.cat([q._scale_inv.reshape(1).expand(m) for q, m in zip(qxs, splits)])
             ends = torch.tensor(list(cumulative(splits)), dtype=torch.int64).to(x2.device, non_blocking=True)
-        ctx.ends = ends.to(torch.int32)
         y = grouped_gemm(a, row_sinv, [q._data for q in qweights], [q._scale_inv for q in qweights],
-                         ctx.ends)
+                         ends.to(torch.int32))
         del a, qxs, casts
         ctx.save_for_backward(*saved)
         ctx.records = records
@@ -217,10 +264,6 @@ class GroupedFP8Linear(torch.autograd.Function):
     def _backward(ctx, grad_out: torch.Tensor, n: int):
         saved = ctx.saved_tensors
         records, splits = ctx.records, ctx.splits
-        if ctx.grouped_backward:
-            return (None, *_grouped_backward_gemms(ctx, saved, grad_out, n))
-        if ctx.shared:
-            return (None, *_direct_expert_backward(ctx, saved, grad_out, n))
         grads_out = torch.split(grad_out, splits, dim=0)
         casts = _grad_casts(records, grad_out, splits)
         grad_x: List[Optional[torch.Tensor]] = [None] * n
@@ -231,36 +274,6 @@ class GroupedFP8Linear(torch.autograd.Function):
             mine = saved[i * SAVED_PER_LINEAR : (i + 1) * SAVED_PER_LINEAR]
             grad_x[i], grad_w[i], _ = linear_backward(records[i], mine, grads_out[i], needs, casts[i])
         return (None, *grad_x, *grad_w)
-
-
-def _shared_casts_forward(ctx, x2: torch.Tensor, chunks: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                          qweights: Sequence[Any], states: Sequence[Any], plans: Sequence[Any]) -> torch.Tensor:
-    """Delayed scaling, FP8 weight gradients: every expert's input cast (and transpose) in one launch, one
-    grouped GEMM. Kept for backward: the inputs' transposes and scale_invs (`ctx.x_blocks`, the row-major
-    data freed) and per expert its weight's dgrad operand (`_weight_operand`: the cached FP8 transpose, or
-    the weight to re-cast; 4 saved tensors per expert)."""
-    fmt = plans[0].recipe.fp8_format
-    fp8_wgrad = any(w.requires_grad for w in weights)
-    blocks = quantize_row_blocks(x2, ctx.splits, [p.forward_scale for p in plans], [p.forward_slots for p in plans],
-                                 fmt.forward_dtype, fp8_wgrad, one_matrix=ctx.grouped_backward)
-    ctx.ends = blocks.table[2].to(torch.int32)
-    stack = states[0].expert_stack
-    ctx.stack = stack if stack is not None and stack.serves(qweights) else None
-    n = qweights[0].shape[0]
-    y = grouped_gemm(blocks.data, blocks.row_sinv, [q._data for q in qweights], [q._scale_inv for q in qweights],
-                     ctx.ends, stacked=None if ctx.stack is None else (ctx.stack.data, ctx.stack.column_scales(n)))
-    ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
-                                       row_sinv=blocks.row_sinv.new_empty(0))
-    needs_x = bool(chunks) and chunks[0].requires_grad
-    records, saved = [], []
-    for w, qw, state, plan in zip(weights, qweights, states, plans):
-        w_saved, cached = _weight_operand(w, qw, state, plan) if needs_x else ([None] * 4, None)
-        saved.extend(w_saved)
-        records.append(types.SimpleNamespace(plan=plan, state=state, cached_weight=cached, w_dtype=w.dtype))
-    ctx.x_dtype = x2.dtype
-    ctx.save_for_backward(*saved)
-    ctx.records = records
-    return y
 
 
 def _backward_blocks(records: Sequence[Any], grad_out: torch.Tensor, splits: Sequence[int], with_transpose: bool,
@@ -298,49 +311,47 @@ def _dgrad_operands(ctx, saved) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor, n: int):
+def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor):
     """E4M3 gradients: the input gradient and the weight gradients as one grouped GEMM each."""
     records = ctx.records
     g = _backward_blocks(records, grad_out, ctx.splits, with_transpose=True, one_matrix=True)
-    grad_x = [None] * n
-    if any(ctx.needs_input_grad[1 : 1 + n]):
+    grad_x = None
+    if ctx.needs_input_grad[1]:
         stack = ctx.stack
         w_t = _dgrad_operands(ctx, saved) if stack is None else [(None, None)]
         stacked = None if stack is None else (stack.transposes, stack.column_scales(stack.transposes.shape[1]))
-        dx = grouped_gemm(g.data, g.row_sinv, [w for w, _ in w_t], [s for _, s in w_t], ctx.ends, use_fast_accum=False,
-                          stacked=stacked)
-        grad_x = torch.split(dx, ctx.splits, dim=0)
+        grad_x = grouped_gemm(g.data, g.row_sinv, [w for w, _ in w_t], [s for _, s in w_t], ctx.ends,
+                              use_fast_accum=False, stacked=stacked)
     dw = grouped_wgrad(g, ctx.x_blocks)
     experts_backward_done([r.plan for r in records])
-    return (*grad_x, *dw.unbind(0))
+    return (grad_x, *dw.unbind(0))
 
 
-def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor, n: int):
+def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor):
     """The per-expert backward GEMMs (HYBRID: E5M2 gradients, which torch's grouped GEMM does not take) issued
     straight from the one-launch grad cast and the forward's shared input casts: the GEMMs, operands, scales
-    and order of `linear_backward` per expert (so the same bytes), without a Float8Tensor or an `fp8_gemm`
-    check per operand. The grouped path guarantees what that generality is for here: aligned features and
-    16-byte aligned views (`RowBlocks`), no biases, no sequence parallelism, no delayed weight gradients."""
+    and order of `linear_backward` per expert (so the same bytes), each expert's input gradient written into
+    its rows of the whole one, without a Float8Tensor or an `fp8_gemm` check per operand. The grouped path
+    guarantees what that generality is for here: aligned features and 16-byte aligned views (`RowBlocks`), no
+    biases, no sequence parallelism, no delayed weight gradients."""
     records, splits = ctx.records, ctx.splits
-    needs_x, needs_w = ctx.needs_input_grad[1 : 1 + n], ctx.needs_input_grad[1 + n :]
+    n = len(splits)
+    needs_x, needs_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2:]
     g = _backward_blocks(records, grad_out, splits, any(needs_w), one_matrix=False)
     x = ctx.x_blocks
     n_out, k = grad_out.shape[-1], x.data.shape[1]
     g_sinv = g.sinv[::SINV_STRIDE].unbind(0)  # 0-d views, 16 bytes apart
-    grad_x: List[Optional[torch.Tensor]] = [None] * n
+    grad_x = None
     grad_w: List[Optional[torch.Tensor]] = [None] * n
-    if any(needs_x):
+    if needs_x:
         w_t = _dgrad_operands(ctx, saved)
-        g_rows = g.data.split(splits)
+        grad_x = torch.empty((g.data.shape[0], k), dtype=ctx.x_dtype, device=grad_out.device)
+        g_rows, dx_rows = g.data.split(splits), grad_x.split(splits)
         for i in reversed(range(n)):  # the last expert first, as autograd runs the per-expert calls' nodes
-            if not needs_x[i]:
-                continue
-            if splits[i] == 0:
-                grad_x[i] = torch.zeros((0, k), dtype=ctx.x_dtype, device=grad_out.device)
-            else:
+            if splits[i]:
                 qw_t, qw_sinv = w_t[i]
-                grad_x[i] = torch._scaled_mm(g_rows[i], qw_t.t(), scale_a=g_sinv[i], scale_b=_scale_operand(qw_sinv),
-                                             out_dtype=ctx.x_dtype)
+                torch._scaled_mm(g_rows[i], qw_t.t(), scale_a=g_sinv[i], scale_b=_scale_operand(qw_sinv),
+                                 out_dtype=ctx.x_dtype, out=dx_rows[i])
     if any(needs_w):
         x_sinv = x.sinv[::SINV_STRIDE].unbind(0)
         for i in reversed(range(n)):
@@ -355,4 +366,4 @@ def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor, n: int):
             x_t = x.transposes.as_strided((pm, k), (1, pm), k * ps)
             grad_w[i] = torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i], out_dtype=records[i].w_dtype)
     experts_backward_done([r.plan for r in records])
-    return (*grad_x, *grad_w)
+    return (grad_x, *grad_w)

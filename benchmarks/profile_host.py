@@ -1,6 +1,7 @@
 """Where the host time of a tiny FP8 Linear step goes, to guide host-overhead work.
 
-Prints (0) the host time per linear of a chain of linears, BF16 against FP8, (1) the host cost of single
+Prints (0) the host time per linear of a chain of linears, BF16 against FP8, and per grouped expert linear
+(8 experts, BF16 against FP8 with HYBRID and E4M3 gradients), (1) the host cost of single
 building blocks (one Triton cast launch, one `_scaled_mm`, one
 Float8Tensor construction, one empty autograd Function, a scope entry), (2) the host time of a tiny FP8 Linear
 forward+backward against BF16's, and (3) a cProfile table of the FP8 step by own time.
@@ -129,9 +130,65 @@ def chains() -> None:
               f"({ours[1] / bf16[1]:.2f}x fwd+bwd)")
 
 
+def grouped_us(fmt: str, fp8: bool, experts: int, width: int, splits, layers: int = 4, routed: bool = False) -> float:
+    """Time per grouped expert linear (`[width, width]` per expert, `use_grouped_gemm`) of a chain of `layers`,
+    forward + backward, weights cached as megatron's schedule does (a first microbatch every 4 steps): the
+    fastest of 5 loops of 8 steps. `routed`: every step routes its rows anew (random splits of the same total,
+    from a fixed seed, as a router's token counts change every microbatch), else `splits` every step."""
+    lins = [fp.GroupedLinear(experts, width, width, bias=False, params_dtype=torch.bfloat16, device="cuda")
+            for _ in range(layers)]
+    for lin in lins:
+        lin.use_grouped_gemm = True
+    x = torch.randn(sum(splits), width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), width, device="cuda", dtype=torch.bfloat16)
+    recipe = fp.DelayedScaling(fp8_format=fp.Format[fmt], amax_history_len=16)
+    calls = [0]
+    gen = torch.Generator().manual_seed(1)
+    routings = [torch.bincount(torch.multinomial(torch.ones(experts), sum(splits), True, generator=gen),
+                               minlength=experts).tolist() for _ in range(48)] if routed else [splits]
+
+    def step():  # the routings are drawn before timing: 48 steps, each with its own
+        counts = routings[calls[0] % len(routings)]
+        first = calls[0] % 4 == 0
+        calls[0] += 1
+        with fp.autocast(enabled=fp8, recipe=recipe):
+            y = x * 1.0
+            for lin in lins:
+                y = lin(y, counts, is_first_microbatch=first)
+        y.backward(dy)
+
+    for _ in range(8):
+        step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(8):
+            step()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 8 / layers * 1e6)
+    return best
+
+
+def grouped() -> None:
+    """Time per grouped expert linear, BF16 (`torch._grouped_mm`) against FP8: tiny (host time) and real sizes."""
+    gen = torch.Generator().manual_seed(0)
+    routed = torch.bincount(torch.multinomial(torch.rand(8, generator=gen) + 0.5, 16384, True, generator=gen),
+                            minlength=8).tolist()
+    print("us per grouped expert linear (8 experts), fwd+bwd; 'routed': new token counts every step:")
+    for width, splits, anew in ((128, [16, 32, 0, 16, 48, 16, 16, 32], False), (2048, routed, False),
+                                (2048, routed, True)):
+        bf16 = grouped_us("HYBRID", False, 8, width, splits, routed=anew)
+        hybrid = grouped_us("HYBRID", True, 8, width, splits, routed=anew)
+        e4m3 = grouped_us("E4M3", True, 8, width, splits, routed=anew)
+        print(f"  {sum(splits)} rows x {width}{' routed' if anew else ''}: bf16 {bf16:7.0f} | fp8 HYBRID {hybrid:7.0f} "
+              f"({hybrid / bf16:.2f}x) | fp8 E4M3 {e4m3:7.0f} ({e4m3 / bf16:.2f}x)")
+
+
 def main(rows: int = 40) -> None:
     print(torch.__version__, torch.cuda.get_device_name(0))
     chains()
+    grouped()
     print("host cost of building blocks (tiny tensors, so launches are not waiting on the device):")
     blocks()
     x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -75,8 +75,9 @@ class ExpertWeightStack:
         self._columns: Dict[int, Tuple[int, torch.Tensor]] = {}  # n -> (casts written, [E, n] scales)
 
     def fits(self, weights: Sequence[torch.Tensor], fp8_dtype: torch.dtype) -> bool:
-        """Whether these weights' casts can live here (count, shape, FP8 dtype)."""
-        return (len(weights) == len(self.views) and self.data.dtype == fp8_dtype
+        """Whether these weights' casts can live here (count, shape, device, FP8 dtype)."""
+        same_kind = self.data.dtype == fp8_dtype and self.data.device == weights[0].device
+        return (same_kind and len(weights) == len(self.views)
                 and all(w.shape == v.shape for w, v in zip(weights, self.views)))
 
     def serves(self, qweights: Sequence[Any]) -> bool:

@@ -79,10 +79,29 @@ def blocks() -> None:
         print(f"  {name:42s} {host_us(fn):8.1f} us")
 
 
+def fastest_us(fn, per: int, iters: int, wait: bool) -> float:
+    """The fastest of 5 loops of `iters` calls of `fn` (after `iters` warm-up calls), in us per call and per
+    `per` (e.g. the layers a call runs). `wait`: a loop's time includes the device finishing its work; else it
+    is the host's time to issue the calls."""
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if wait:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / iters / per * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
 def chain_host_us(fp8: bool, tokens: int, width: int, layers: int = 8) -> Tuple[float, float]:
     """Host time per linear of a chain of `layers` `[width, width]` linears (cached FP8 weights in one scope,
-    or `torch.nn.Linear`), forward and forward + backward: the fastest of 5 loops of 10 steps. The input is not
-    a leaf, as inside a model."""
+    or `torch.nn.Linear`), forward and forward + backward: the fastest of 5 loops of 10 steps, host time. The
+    input is not a leaf, as inside a model."""
     if fp8:
         mods = torch.nn.Sequential(*[fp.Linear(width, width, bias=False, params_dtype=torch.bfloat16, device="cuda")
                                      for _ in range(layers)])
@@ -104,20 +123,7 @@ def chain_host_us(fp8: bool, tokens: int, width: int, layers: int = 8) -> Tuple[
     def step():
         fwd().sum().backward()
 
-    out = []
-    for f in (fwd, step):
-        for _ in range(5):
-            f()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(10):
-                f()
-            best = min(best, (time.perf_counter() - start) / 10 / layers * 1e6)
-            torch.cuda.synchronize()
-        out.append(best)
-    return out[0], out[1]
+    return fastest_us(fwd, layers, 10, wait=False), fastest_us(step, layers, 10, wait=False)
 
 
 def chains() -> None:
@@ -157,17 +163,7 @@ def grouped_us(fmt: str, fp8: bool, experts: int, width: int, splits, layers: in
                 y = lin(y, counts, is_first_microbatch=first)
         y.backward(dy)
 
-    for _ in range(8):
-        step()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(8):
-            step()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / 8 / layers * 1e6)
-    return best
+    return fastest_us(step, layers, 8, wait=True)
 
 
 def grouped() -> None:

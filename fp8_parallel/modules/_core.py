@@ -127,9 +127,8 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     if enabled:
         recipe, key = scope.recipe, scope.state
         state.prepare(recipe)
-        delayed = not isinstance(recipe, CurrentScaling)
-        slots = key.forward.slots(state.fwd) if delayed else None
-        plan = _Plan(recipe, state.fwd.scale, slots, key, meta=state.fwd) if delayed else _Plan(recipe, None, None, key)
+        slots = None if isinstance(recipe, CurrentScaling) else key.forward.slots(state.fwd)
+        plan = _scope_plan(state, recipe, key, slots)
     if region is not None:  # a first pass: its recompute repeats this decision
         snap = None
         if plan is not None:
@@ -156,10 +155,17 @@ def expert_plans(states: Sequence[FP8State]) -> List[_Plan]:
     recipe, key = scope.recipe, scope.state
     for state in states:
         state.prepare(recipe)
+    current = isinstance(recipe, CurrentScaling)
+    slots = [None] * len(states) if current else key.forward.slots_of([state.fwd for state in states])
+    return [_scope_plan(state, recipe, key, slot) for state, slot in zip(states, slots)]
+
+
+def _scope_plan(state: FP8State, recipe: Recipe, key, slots: Optional[torch.Tensor]) -> _Plan:
+    """The plan of an ordinary call in an enabled scope: delayed scaling casts with the state's own scale
+    buffer into `slots`; current scaling has neither."""
     if isinstance(recipe, CurrentScaling):
-        return [_Plan(recipe, None, None, key) for _ in states]
-    slots = key.forward.slots_of([state.fwd for state in states])
-    return [_Plan(recipe, state.fwd.scale, slot, key, meta=state.fwd) for state, slot in zip(states, slots)]
+        return _Plan(recipe, None, None, key)
+    return _Plan(recipe, state.fwd.scale, slots, key, meta=state.fwd)
 
 
 def settle_experts_backward(plans: Sequence[_Plan], out: torch.Tensor) -> None:

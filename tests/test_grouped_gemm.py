@@ -65,8 +65,9 @@ def _emulated_grouped_mm(calls: List[int]):
     return grouped_mm
 
 
-def _module(gen: torch.Generator, device: str, **kwargs) -> te.GroupedLinear:
-    lin = te.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device=device, params_dtype=torch.bfloat16, **kwargs)
+def _module(gen: torch.Generator, device: str, params_dtype: torch.dtype = torch.bfloat16,
+            **kwargs) -> te.GroupedLinear:
+    lin = te.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device=device, params_dtype=params_dtype, **kwargs)
     lin.use_grouped_gemm = True  # TransformerEngine's module keeps per-GEMM results unless asked
     with torch.no_grad():
         for p in lin.parameters():
@@ -278,6 +279,55 @@ def test_gpu_grouped_gemm_matches_per_expert_gemms(rname, monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", counting)
     _compare(rname, "cuda", monkeypatch, calls)
+
+
+def _param_dtype_case(pdt: torch.dtype, device: str, monkeypatch) -> None:
+    """float32 / float16 expert weights under bfloat16 activations: the grouped forward GEMM, then the
+    per-expert backward GEMMs issued directly (E4M3's grouped backward needs bfloat16 weights), so the
+    gradients equal the per-expert path's bit for bit, in the weights' dtype, close to float64."""
+    for rname in ("delayed-hybrid", "delayed-e4m3"):
+        seed = _seed(f"grouped-param-dtype/{pdt}/{rname}/{device}")
+        gen = torch.Generator().manual_seed(seed)
+        grouped = _module(torch.Generator().manual_seed(seed), device, params_dtype=pdt)
+        per_expert = _module(torch.Generator().manual_seed(seed), device, params_dtype=pdt)
+        rows = sum(SPLITS)
+        for step, first in enumerate((True, False)):
+            where = f"{pdt} {rname} step {step} (seed {seed})"
+            x = (torch.randn(rows, IN, generator=gen) * 2).to(device=device, dtype=torch.bfloat16)
+            dy = torch.randn(rows, OUT, generator=gen).to(device=device, dtype=torch.bfloat16)
+            ya, gxa = _run(grouped, x, dy, rname, True, monkeypatch, first)
+            yb, gxb = _run(per_expert, x, dy, rname, False, monkeypatch, first)
+            _close(ya, yb, "output", where)
+            _equal(gxa, gxb, "input grad", where)
+            x64 = x.double().requires_grad_()
+            ws = [getattr(per_expert, f"weight{i}").detach().double().requires_grad_() for i in range(len(SPLITS))]
+            torch.cat([xi @ w.t() for xi, w in zip(torch.split(x64, SPLITS), ws)]).backward(dy.double())
+            for i in range(len(SPLITS)):
+                wa, wb = getattr(grouped, f"weight{i}"), getattr(per_expert, f"weight{i}")
+                assert wa.grad.dtype == pdt, where
+                _equal(wa.grad, wb.grad, f"weight{i} grad", where)
+                if SPLITS[i]:
+                    assert _rel(wa.grad, ws[i].grad) < FP8_BWD_TOL, f"weight{i} grad from float64 {where}"
+                wa.grad = wb.grad = None
+
+
+@pytest.mark.parametrize("pdt", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_grouped_path_other_param_dtypes_emulated(pdt, monkeypatch):
+    """CPU, the grouped GEMM emulated: float32 and float16 expert weights (see `_param_dtype_case`)."""
+    calls: List[int] = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
+    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    _param_dtype_case(pdt, "cpu", monkeypatch)
+    assert len(calls) == 4, f"{len(calls)} grouped GEMMs (one forward per call)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdt", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_gpu_grouped_path_other_param_dtypes(pdt, monkeypatch):
+    """The real grouped GEMM with float32 and float16 expert weights (see `_param_dtype_case`)."""
+    if not _grouped_core.device_has_grouped_gemm(torch.device("cuda")):
+        pytest.skip("torch._scaled_grouped_mm does not run on this GPU (needs compute capability 9.0 or 10.0)")
+    _param_dtype_case(pdt, "cuda", monkeypatch)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from . import native
 from .gemm import zero_padded
 from .tensor import Float8Tensor, cast_to_fp8
 
@@ -30,6 +31,20 @@ def _use_triton(x: torch.Tensor) -> bool:
 
         _TRITON = triton_kernels.AVAILABLE
     return _TRITON
+
+
+def _native_cast(x: torch.Tensor, scale: torch.Tensor, data: Optional[torch.Tensor], scale_inv: torch.Tensor,
+                 transpose: Optional[torch.Tensor], amax_out: Optional[torch.Tensor],
+                 noop_flag: Optional[torch.Tensor]) -> bool:
+    """The fused cast through the compiled extension (CUDA tensors, float32 scale and slot; see `native`);
+    False where it does not apply (then the Triton kernel or the torch formulas run)."""
+    if not x.is_cuda or scale.dtype != torch.float32 or (amax_out is not None and amax_out.dtype != torch.float32):
+        return False
+    ext = native.for_device(x.device)
+    if ext is None:
+        return False
+    ext.cast_into(x, scale, 0, data, transpose, scale_inv, amax_out, 0, noop_flag)
+    return True
 
 
 def padded_fp8(rows: int, cols: int, fp8_dtype: torch.dtype, dtype: torch.dtype, device: torch.device,
@@ -83,7 +98,10 @@ def quantize(
     transpose = out._transpose_buffer() if with_transpose else None
     # the fused kernel writes contiguous outputs; views into padded buffers take the torch path
     dense = out._data.is_contiguous() and (transpose is None or transpose.is_contiguous())
-    if not force_torch and dense and _use_triton(x) and x.numel() > 0:
+    if not force_torch and dense and x.numel() > 0 and _native_cast(x, scale, out._data, out._scale_inv, transpose,
+                                                                  amax_out, noop_flag):
+        pass
+    elif not force_torch and dense and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
         quantize_2d(x, scale, out._data, out._scale_inv, transpose, amax_out, noop_flag)
@@ -139,7 +157,10 @@ def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     else:
         t = Float8Tensor(torch.empty((x2.shape[1], x2.shape[0]), dtype=fp8_dtype, device=x.device),
                          torch.empty((), dtype=torch.float32, device=x.device), x.dtype)
-    if not force_torch and not padded and _use_triton(x) and x.numel() > 0:
+    if not force_torch and not padded and x.numel() > 0 and _native_cast(x2, scale, None, t._scale_inv, t._data, None,
+                                                                       None):
+        pass
+    elif not force_torch and not padded and _use_triton(x) and x.numel() > 0:
         from .triton_kernels import quantize_2d
 
         quantize_2d(x2, scale, None, t._scale_inv, t._data, None, None)  # the transpose only

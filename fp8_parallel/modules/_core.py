@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import native
+from ..native import DTYPE_CODES
+from ..recipe import Format
 from ..scopes import current_scope
 from ..gemm import fp8_gemm
 from ..meta import FP8Meta
@@ -26,6 +29,7 @@ def history_len_of(config) -> Optional[int]:
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
 BWD_GRAD_OUTPUT = 0
+_NATIVE_FORMATS = (Format.E4M3, Format.HYBRID)  # the formats whose forward is E4M3 (no E5M2 x E5M2 dgrad)
 
 
 def recipe_as_tensor(recipe: Recipe) -> torch.Tensor:
@@ -95,6 +99,7 @@ class _Plan:
     phase: Optional[Phase] = None
     _saved_scale: Optional[torch.Tensor] = None
     meta: Optional[FP8Meta] = None  # the forward meta whose scale buffer `forward_scale` is (None: a copy)
+    checkpointed: bool = False  # called inside an activation-checkpointed region (first pass or recompute)
 
     def saved_forward_scale(self, index: int) -> torch.Tensor:
         """`[1]`: forward scale `index` as this call casts with it, kept for a re-cast in backward (the scope's
@@ -122,7 +127,7 @@ def _plan(state: FP8State) -> Optional[_Plan]:
             return None
         counted, snap.counted = snap.counted, False  # settled by this recompute (a retained graph's next: none)
         return _Plan(snap.recipe, snap.forward_scale, None, snap.key_state, counted, Phase.RECOMPUTE,
-                     _saved_scale=snap.forward_scale)
+                     _saved_scale=snap.forward_scale, checkpointed=True)
     plan = None
     if enabled:
         recipe, key = scope.recipe, scope.state
@@ -132,6 +137,7 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     if region is not None:  # a first pass: its recompute repeats this decision
         snap = None
         if plan is not None:
+            plan.checkpointed = True
             # a reentrant region's backward runs through its recompute: counted now, so the scope's backward
             # reduction waits for it, when the checkpoint's own node exists (else no recompute will run)
             counted = region.reentrant and region.backward_will_run
@@ -514,6 +520,65 @@ class _FP8Linear(torch.autograd.Function):
         return (*grads, None, None)
 
 
+class _NativeFP8Linear(torch.autograd.Function):
+    """`_FP8Linear` for its common call (see `_native_linear`): forward and backward one compiled call each,
+    computing the same bytes with the same GEMMs; the scope bookkeeping stays in Python."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, qweight, options):
+        ext, state, plan = options
+        x2 = x.reshape(-1, x.shape[-1])
+        wgrad = weight.requires_grad
+        leaf = x.grad_fn is None  # kept by reference, its transpose re-cast in backward (`_input_operand`)
+        y, qx_t, x_sinv, x_scale = ext.linear_fwd(x2, plan.forward_scale, plan.forward_slots, FWD_INPUT,
+                                                  wgrad and not leaf, wgrad and leaf, qweight._data,
+                                                  qweight._scale_inv, bias)
+        ctx.save_for_backward(qx_t, x if wgrad and leaf else None, x_scale, x_sinv)
+        # the cache is rewritten in place only by a later first microbatch (see `_weight_operand`)
+        ctx.cached_weight = (qweight._transpose_cache.buffer, qweight._scale_inv) if x.requires_grad else (None, None)
+        ctx.ext, ctx.state, ctx.plan, ctx.has_bias, ctx.x_shape = ext, state, plan, bias is not None, x.shape
+        ctx.codes = (DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype])
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qx_t, x_ref, x_scale, x_sinv = ctx.saved_tensors
+        plan, state, need = ctx.plan, ctx.state, ctx.needs_input_grad
+        w_t, w_sinv = ctx.cached_weight
+        e5m2 = plan.recipe.fp8_format.backward_dtype == torch.float8_e5m2
+        slot = plan.key_state.backward.slots(state.bwd)
+
+        def run():
+            return ctx.ext.linear_bwd(grad_out, state.bwd.scale, slot, BWD_GRAD_OUTPUT, e5m2, w_t, w_sinv, qx_t,
+                                      x_ref, x_scale, x_sinv, need[0], need[1], ctx.has_bias and need[2], *ctx.codes)
+
+        grad_x, grad_w, grad_b = backward_outside_autocast(run, grad_out.device.type)
+        _backward_done(plan)
+        return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None, None
+
+
+def _native_linear(x: torch.Tensor, weight: torch.Tensor, qweight: Float8Tensor, state: FP8State, plan: _Plan,
+                   wgrad_in_fp8: bool, sequence_parallel: bool, wgrad_store) -> Optional[Any]:
+    """The compiled extension when it can run this call as `_NativeFP8Linear`, else None: delayed scaling
+    outside checkpointed regions, the weight cached (its transpose current) and aligned, FP8 weight
+    gradients, no sequence-parallel FP8 gather or delayed wgrad, and a token count that is a non-zero multiple
+    of 16 (the wgrad GEMM's contraction, unpadded)."""
+    if plan.meta is None or plan.forward_slots is None or plan.checkpointed or plan.phase is not None:
+        return None
+    if sequence_parallel or wgrad_store is not None or not wgrad_in_fp8 or qweight is not state.weight_fp8:
+        return None
+    ext = native.for_device(x.device)
+    if ext is None or plan.recipe.fp8_format not in _NATIVE_FORMATS or isinstance(weight, Float8Tensor):
+        return None
+    if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or features_unaligned(weight):
+        return None
+    k = x.shape[-1] if x.dim() else 0
+    tokens = x.numel() // k if k else 0
+    if tokens == 0 or tokens % 16 or k != weight.shape[1] or not qweight.has_current_transpose():
+        return None
+    return ext
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -551,7 +616,11 @@ def fp8_linear(
             return high_precision_linear(x, w, bias, wgrad_store)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
-    out = _FP8Linear.apply(x, weight, bias, qweight,
-                           (state, plan, wgrad_in_fp8, sp_group if fp8_gather else None, wgrad_store))
+    ext = _native_linear(x, weight, qweight, state, plan, wgrad_in_fp8, fp8_gather, wgrad_store)
+    if ext is not None:
+        out = _NativeFP8Linear.apply(x, weight, bias, qweight, (ext, state, plan))
+    else:
+        out = _FP8Linear.apply(x, weight, bias, qweight,
+                               (state, plan, wgrad_in_fp8, sp_group if fp8_gather else None, wgrad_store))
     _settle_backward(plan, out)
     return out

@@ -1,0 +1,227 @@
+// The compiled host path of fp8_parallel: the FP8 cast and one FP8 linear's forward and backward, each one
+// call from Python. Computes exactly what the Python path computes (`quantize`, `fp8_gemm`,
+// `modules/_core.py`): on CUDA with the kernels of cast_kernels.cu, elsewhere with the same torch formulas.
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#ifdef FP8P_WITH_CUDA
+#include "cast.h"
+#endif
+
+namespace fp8p {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+at::ScalarType fp8_type(bool e5m2) { return e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn; }
+double fp8_limit(bool e5m2) { return e5m2 ? 57344.0 : 448.0; }
+
+// the dtype codes the Python side passes (native.DTYPE_CODES)
+at::ScalarType dtype_of(int64_t code) {
+  switch (code) {
+    case 0: return at::kBFloat16;
+    case 1: return at::kHalf;
+    case 2: return at::kFloat;
+    default: TORCH_CHECK(false, "fp8_parallel native: unknown dtype code ", code);
+  }
+}
+
+Tensor rows_2d(const Tensor& x) {
+  Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  return x2.stride(-1) == 1 ? x2 : x2.contiguous();
+}
+
+void check_slot(const Tensor& buf, int64_t index, const char* what) {
+  TORCH_CHECK(buf.scalar_type() == at::kFloat, "fp8_parallel native: ", what, " must be float32, got ",
+              buf.scalar_type());
+  TORCH_CHECK(buf.is_contiguous() && index >= 0 && index < buf.numel(), "fp8_parallel native: ", what,
+              " index ", index, " outside a buffer of ", buf.numel(), " elements");
+}
+
+// `_quantize_torch`: the torch formulas, for CPU tensors and empty inputs
+void cast_reference(const Tensor& x2, const Tensor& scale, const Tensor* data, const Tensor* t,
+                    const Tensor& scale_inv, const Tensor* amax, const Tensor* noop, bool e5m2) {
+  const double limit = fp8_limit(e5m2);
+  const Tensor s = scale.reshape({}).to(at::kFloat);
+  Tensor q = (x2.to(at::kFloat) * s).clamp(-limit, limit).to(fp8_type(e5m2));
+  const std::optional<Tensor> flag =
+      noop != nullptr ? std::optional<Tensor>(noop->reshape({}).to(at::kBool)) : std::nullopt;
+  auto keep = [&](const Tensor& old, const Tensor& fresh) {
+    if (!flag) return fresh;
+    if (old.scalar_type() == at::kFloat8_e4m3fn || old.scalar_type() == at::kFloat8_e5m2)
+      return at::where(*flag, old.view(at::kByte), fresh.view(at::kByte)).view(old.scalar_type());
+    return at::where(*flag, old, fresh);
+  };
+  if (data != nullptr) {
+    Tensor d = data->view({x2.size(0), x2.size(1)});
+    q = keep(d, q);
+    d.copy_(q);
+  } else if (flag && t != nullptr) {
+    q = keep(t->t(), q);
+  }
+  scale_inv.copy_(keep(scale_inv.reshape({}), s.reciprocal()).reshape(scale_inv.sizes()));
+  if (t != nullptr) t->copy_(q.t());
+  if (amax != nullptr) {
+    Tensor a = x2.numel() ? x2.abs().amax().to(at::kFloat) : at::zeros({}, x2.options().dtype(at::kFloat));
+    a = at::nan_to_num(a, INFINITY, INFINITY);
+    const Tensor fresh = at::maximum(amax->reshape({}), a);
+    amax->copy_(keep(amax->reshape({}), fresh).reshape(amax->sizes()));
+  }
+}
+
+// one cast: `scale_buf[scale_index]` as the scale, `amax_buf[amax_index]` as the slot
+void cast(const Tensor& x2, const Tensor& scale_buf, int64_t scale_index, const Tensor* data, const Tensor* t,
+          const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index, const Tensor* noop, bool e5m2) {
+  check_slot(scale_buf, scale_index, "scale");
+  if (amax_buf) check_slot(*amax_buf, amax_index, "amax slot");
+#ifdef FP8P_WITH_CUDA
+  if (x2.is_cuda() && x2.numel() > 0) {
+    cast_cuda(x2, scale_buf.data_ptr<float>() + scale_index,
+              data != nullptr ? static_cast<unsigned char*>(data->data_ptr()) : nullptr,
+              t != nullptr ? static_cast<unsigned char*>(t->data_ptr()) : nullptr, scale_inv.data_ptr<float>(),
+              amax_buf ? amax_buf->data_ptr<float>() + amax_index : nullptr, noop, e5m2);
+    return;
+  }
+#endif
+  const Tensor slot = amax_buf ? amax_buf->narrow(0, amax_index, 1) : Tensor();
+  cast_reference(x2, scale_buf.narrow(0, scale_index, 1), data, t, scale_inv, amax_buf ? &slot : nullptr, noop,
+                 e5m2);
+}
+
+// cuBLAS's FP8 GEMM refuses operand and scale pointers that do not start at a 16-byte boundary
+Tensor aligned(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone(); }
+
+Tensor scale_operand(const Tensor& scale_inv) {
+  Tensor s = scale_inv.dim() == 0 ? scale_inv : scale_inv.reshape({});
+  return aligned(s.scalar_type() == at::kFloat ? s : s.to(at::kFloat));
+}
+
+// `fp8_gemm(a, b)` = a @ b.T for row-major a [M, K], b [N, K]; a bias is fused for a bfloat16 result only
+Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor& b_sinv, const OptTensor& bias,
+            at::ScalarType out, bool fast_accum) {
+  const Tensor sa = scale_operand(a_sinv), sb = scale_operand(b_sinv);
+  if (bias && out != at::kBFloat16) {
+    const Tensor r = at::_scaled_mm(aligned(a), aligned(b).t(), sa, sb, std::nullopt, std::nullopt, at::kFloat,
+                                    fast_accum) + bias->to(at::kFloat);
+    return out == at::kFloat ? r : r.to(out);
+  }
+  return at::_scaled_mm(aligned(a), aligned(b).t(), sa, sb, bias, std::nullopt, out, fast_accum);
+}
+
+void check_fp8(const Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
+              "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "fp8_parallel native: ", what,
+              " must be a contiguous 2-d tensor, got sizes ", t.sizes(), " strides ", t.strides());
+}
+
+}  // namespace
+
+// `quantize`'s fused cast into given outputs: `data` (x's shape), `t` ([N, M]) or both; see cast.h
+void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, const OptTensor& data,
+               const OptTensor& t, const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index,
+               const OptTensor& noop) {
+  const Tensor x2 = rows_2d(x.detach());
+  TORCH_CHECK(data || t, "fp8_parallel native cast: neither data nor transpose given");
+  const bool e5m2 = (data ? *data : *t).scalar_type() == at::kFloat8_e5m2;
+  if (data) {
+    check_fp8(data->dim() == 2 ? *data : data->view({x2.size(0), x2.size(1)}), "data");
+    TORCH_CHECK(data->numel() == x2.numel(), "fp8_parallel native cast: data has ", data->numel(),
+                " elements, the input ", x2.numel());
+  }
+  if (t) {
+    check_fp8(*t, "transpose");
+    TORCH_CHECK(t->size(0) == x2.size(1) && t->size(1) == x2.size(0), "fp8_parallel native cast: transpose has sizes ",
+                t->sizes(), ", the input ", x2.sizes());
+    TORCH_CHECK(!data || data->scalar_type() == t->scalar_type(), "fp8_parallel native cast: data is ",
+                data->scalar_type(), ", transpose ", t->scalar_type());
+  }
+  TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.numel() == 1,
+              "fp8_parallel native cast: scale_inv must be one float32, got ", scale_inv.scalar_type(), " ",
+              scale_inv.sizes());
+  cast(x2, scale_buf, scale_index, data ? &*data : nullptr, t ? &*t : nullptr, scale_inv, amax_buf, amax_index,
+       noop ? &*noop : nullptr, e5m2);
+}
+
+// One FP8 linear's forward: cast x2 ([M, K]) with scale_buf[0] (E4M3) into amax_buf[amax_index], then
+// y = x2 @ W.T (+ bias) with fast accumulation, W the cached FP8 weight `w_data` ([N, K]) with `w_sinv`.
+// Returns [y, the FP8 transpose of x2 (keep_t) or undefined, x2's scale_inv, a copy of scale_buf[0:1]
+// (keep_scale: the scale a backward re-cast of x2 uses) or undefined].
+std::vector<Tensor> linear_fwd(const Tensor& x2, const Tensor& scale_buf, const OptTensor& amax_buf,
+                               int64_t amax_index, bool keep_t, bool keep_scale, const Tensor& w_data,
+                               const Tensor& w_sinv, const OptTensor& bias) {
+  TORCH_CHECK(x2.dim() == 2 && x2.stride(1) == 1, "fp8_parallel native linear: input must be 2-d with contiguous rows");
+  check_fp8(w_data, "weight");
+  TORCH_CHECK(w_data.size(1) == x2.size(1), "fp8_parallel native linear: input has ", x2.size(1),
+              " features, the weight ", w_data.sizes());
+  const auto opts = x2.options();
+  const Tensor qx = at::empty({x2.size(0), x2.size(1)}, opts.dtype(at::kFloat8_e4m3fn));
+  const Tensor qx_t = keep_t ? at::empty({x2.size(1), x2.size(0)}, opts.dtype(at::kFloat8_e4m3fn)) : Tensor();
+  const Tensor sinv = at::empty({}, opts.dtype(at::kFloat));
+  const Tensor saved_scale = keep_scale ? scale_buf.narrow(0, 0, 1).clone() : Tensor();
+  cast(x2, scale_buf, 0, &qx, keep_t ? &qx_t : nullptr, sinv, amax_buf, amax_index, nullptr, false);
+  const OptTensor b = bias ? OptTensor(bias->to(x2.scalar_type())) : std::nullopt;
+  Tensor y = gemm(qx, w_data, sinv, w_sinv, b, x2.scalar_type(), true);
+  return {y, qx_t, sinv, saved_scale};
+}
+
+// One FP8 linear's backward from `linear_fwd`'s outputs: cast g2 ([M, N]) with g_scale_buf[0] (E5M2 when
+// g_e5m2) into g_amax_buf[g_amax_index]; dgrad = g2 @ W from the weight's FP8 transpose `w_t` ([K, N]);
+// wgrad = g2.T @ x2 from x2's FP8 transpose, given (`x_t`, [K, M]) or re-cast here from `x_ref` with
+// `x_scale`; the bias gradient g2.sum(0). Returns [grad_x, grad_w, grad_b], undefined where not asked for.
+std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const OptTensor& g_amax_buf,
+                               int64_t g_amax_index, bool g_e5m2, const OptTensor& w_t, const OptTensor& w_sinv,
+                               const OptTensor& x_t, const OptTensor& x_ref, const OptTensor& x_scale,
+                               const OptTensor& x_sinv, bool need_dgrad, bool need_wgrad, bool need_bgrad,
+                               int64_t x_dtype, int64_t w_dtype) {
+  const Tensor g2 = g.dim() == 2 ? g : g.reshape({-1, g.size(-1)});
+  const Tensor g2c = g2.stride(1) == 1 ? g2 : g2.contiguous();
+  const int64_t M = g2.size(0), N = g2.size(1);
+  const auto opts = g2.options();
+  const at::ScalarType gtype = fp8_type(g_e5m2);
+  Tensor qg = at::empty({M, N}, opts.dtype(gtype));
+  const Tensor qg_t = need_wgrad ? at::empty({N, M}, opts.dtype(gtype)) : Tensor();
+  const Tensor g_sinv = at::empty({}, opts.dtype(at::kFloat));
+  cast(g2c, g_scale_buf, 0, &qg, need_wgrad ? &qg_t : nullptr, g_sinv, g_amax_buf, g_amax_index, nullptr, g_e5m2);
+  Tensor grad_x, grad_w, grad_b;
+  // dgrad first; its operands are released before the wgrad GEMM allocates the weight gradient
+  if (need_dgrad) {
+    TORCH_CHECK(w_t && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
+    check_fp8(*w_t, "weight transpose");
+    grad_x = gemm(qg, *w_t, g_sinv, *w_sinv, std::nullopt, dtype_of(x_dtype), false);
+  }
+  qg.reset();
+  if (need_wgrad) {
+    TORCH_CHECK(x_sinv && (x_t || (x_ref && x_scale)), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
+    Tensor xt;
+    if (x_t) {
+      xt = *x_t;
+    } else {
+      const Tensor xr = rows_2d(x_ref->detach());
+      xt = at::empty({xr.size(1), xr.size(0)}, opts.dtype(at::kFloat8_e4m3fn));
+      const Tensor unused_sinv = at::empty({}, opts.dtype(at::kFloat));
+      cast(xr, *x_scale, 0, nullptr, &xt, unused_sinv, std::nullopt, 0, nullptr, false);
+    }
+    check_fp8(xt, "input transpose");
+    grad_w = gemm(qg_t, xt, g_sinv, *x_sinv, std::nullopt, dtype_of(w_dtype), false);
+  }
+  if (need_bgrad) grad_b = g2.sum(0).to(dtype_of(w_dtype));
+  return {grad_x, grad_w, grad_b};
+}
+
+}  // namespace fp8p
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fp8_parallel's compiled host path: FP8 cast and FP8 linear forward / backward";
+  m.def("cast_into", &fp8p::cast_into, "fused FP8 cast into given outputs");
+  m.def("linear_fwd", &fp8p::linear_fwd, "one FP8 linear's forward");
+  m.def("linear_bwd", &fp8p::linear_bwd, "one FP8 linear's backward");
+#ifdef FP8P_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

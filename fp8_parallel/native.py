@@ -1,0 +1,66 @@
+"""The compiled host path (`csrc/`): one C++ call per FP8 cast and per FP8 linear forward / backward.
+
+Built by `setup.py` when torch has CUDA and a CUDA toolkit is found (install with `pip install
+--no-build-isolation -e .` so the build sees your torch); CPU-only installs have no build and use the pure-Python
+path. It computes the same bytes as the Python path: the cast kernels match the Triton kernels and the torch
+formulas, and the linear calls issue the same GEMMs. `FP8_PARALLEL_NATIVE=0` turns it off.
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # as csrc/native.cpp reads them
+
+_module: Optional[ModuleType] = None
+_loaded = False
+
+
+def module() -> Optional[ModuleType]:
+    """The compiled extension, or None (not built, or turned off by `FP8_PARALLEL_NATIVE=0`)."""
+    global _module, _loaded
+    if not _loaded:
+        _loaded = True
+        if os.environ.get("FP8_PARALLEL_NATIVE", "1") != "0":
+            try:
+                from . import _native  # type: ignore[attr-defined]
+            except ImportError:
+                _native = None
+            _module = _native
+    return _module
+
+
+def use(ext: Optional[ModuleType]) -> Optional[ModuleType]:
+    """Use `ext` (a build of `csrc/native.cpp`, e.g. a CPU build for tests) as the extension, or None for the
+    pure-Python path; returns the previous one."""
+    global _module, _loaded
+    previous = module()
+    _module, _loaded = ext, True
+    return previous
+
+
+def for_device(device: torch.device) -> Optional[ModuleType]:
+    """The extension when it can run on `device` (a CUDA build runs everywhere; a CPU build on the CPU)."""
+    ext = module()
+    if ext is None:
+        return None
+    return ext if device.type == "cpu" or (device.type == "cuda" and ext.with_cuda) else None
+
+
+def sources() -> list:
+    """The extension's source files: the host code, and the CUDA kernels when `cuda`."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+    return [os.path.join(here, "native.cpp")], [os.path.join(here, "cast_kernels.cu")]
+
+
+def build_cpu(build_dir: str, verbose: bool = False) -> ModuleType:
+    """Build the CPU variant of the extension into `build_dir` with torch's JIT builder (a C++ compiler is
+    needed) and return it, without making it the active one (see `use`)."""
+    from torch.utils.cpp_extension import load
+
+    host, _ = sources()
+    return load(name="fp8_parallel_native_cpu", sources=host, build_directory=build_dir, verbose=verbose,
+                extra_cflags=["-O2"])

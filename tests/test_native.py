@@ -1,0 +1,196 @@
+"""The compiled host path (`fp8_parallel/csrc`, `fp8_parallel.native`) against the Python path, bit for bit.
+
+On the CPU the extension's CPU variant is built here with torch's JIT builder (about a minute), so its host code
+(argument checks, the order and operands of the GEMMs, saved tensors, the leaf-input re-cast) runs in CI. On a
+GPU the installed CUDA build is compared with the Python path there (Triton kernels): that checks the CUDA cast
+kernels as well. Every comparison is exact: the two paths must produce the same bytes.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fp8_parallel as fp
+from fp8_parallel import native
+from fp8_parallel.quantize import quantize
+from te_testing import seed_for
+
+
+class CountingExtension:
+    """The extension, counting its linear calls (so a test sees that the compiled path ran)."""
+
+    def __init__(self, ext):
+        self._ext = ext
+        self.with_cuda = ext.with_cuda
+        self.calls = {"linear_fwd": 0, "linear_bwd": 0, "cast_into": 0}
+
+    def __getattr__(self, name):
+        fn = getattr(self._ext, name)
+        if name not in self.calls:
+            return fn
+
+        def counted(*args):
+            self.calls[name] += 1
+            return fn(*args)
+
+        return counted
+
+
+@pytest.fixture(scope="module")
+def cpu_ext(tmp_path_factory):
+    return native.build_cpu(str(tmp_path_factory.mktemp("native_build")))
+
+
+@contextlib.contextmanager
+def using(ext):
+    previous = native.use(ext)
+    try:
+        yield ext
+    finally:
+        native.use(previous)
+
+
+def _extension(device: str, cpu_ext_factory):
+    if device == "cpu":
+        return cpu_ext_factory()
+    ext = native.module()
+    if ext is None or not ext.with_cuda:
+        pytest.skip("the CUDA extension is not built (pip install --no-build-isolation -e .)")
+    return ext
+
+
+def _cast_cases(device):
+    for shape in ((64, 128), (37, 50), (3, 16, 40), (130, 200)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+                yield shape, dtype, fp8
+
+
+def _check_cast(ext, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    for shape, dtype, fp8 in _cast_cases(device):
+        x = (torch.randn(shape, generator=g) * 40).to(dtype).to(device)
+        x.view(-1)[3] = float("nan") if shape == (37, 50) else x.view(-1)[3]  # NaN stays NaN, amax +inf
+        scale = (torch.rand(2, generator=g) * 4 + 0.5).to(device)
+        m, n = x.numel() // shape[-1], shape[-1]
+        for with_t, with_data, flag in ((False, True, None), (True, True, None), (True, False, None), (True, True, 1),
+                                        (True, True, 0)):
+            slot = torch.tensor([0.0, 3.5], device=device)
+            ref_slot = slot.clone()
+            noop = None if flag is None else torch.tensor([flag], dtype=torch.int32, device=device)
+            poison = torch.full((m * n,), 0x5A, dtype=torch.uint8, device=device)
+            data = poison.clone().view(fp8).view(shape) if with_data else None
+            t = poison.clone().view(fp8).view(n, m) if with_t else None
+            sinv = torch.full((), 7.0, device=device)
+            ext.cast_into(x, scale, 1, data, t, sinv, slot, 1, noop)
+            ref = fp.Float8Tensor(poison.clone().view(fp8).view(shape), torch.full((), 7.0, device=device), dtype)
+            if with_t:
+                ref._transpose_cache.buffer = poison.clone().view(fp8).view(n, m)
+            quantize(x, scale[1:], fp8, amax_out=ref_slot[1:], with_transpose=with_t, out=ref, force_torch=True,
+                     noop_flag=noop)
+            case = f"{shape} {dtype} {fp8} transpose={with_t} data={with_data} noop={flag}"
+            if with_data:
+                assert torch.equal(data.view(torch.uint8), ref._data.view(torch.uint8)), case
+            if with_t:
+                assert torch.equal(t.view(torch.uint8), ref._transpose_cache.buffer.view(torch.uint8)), case
+            assert torch.equal(sinv, ref._scale_inv), case
+            assert torch.equal(slot, ref_slot), case
+            assert slot[0].item() == 0.0, case  # the other slot untouched
+
+
+def test_native_cast_matches_torch_formulas(cpu_ext):
+    _check_cast(cpu_ext, "cpu", seed_for("test_native_cast_matches_torch_formulas"))
+
+
+@pytest.mark.gpu
+def test_native_cast_matches_torch_formulas_gpu():
+    ext = _extension("cuda", None)
+    _check_cast(ext, "cuda", seed_for("test_native_cast_matches_torch_formulas_gpu"))
+
+
+def _linear_cases():
+    # (params dtype, bias, input kind, frozen weight, input shape, format)
+    yield torch.float32, True, "activation", False, (32, 64), "hybrid"
+    yield torch.bfloat16, True, "leaf", False, (2, 16, 64), "hybrid"
+    yield torch.bfloat16, False, "activation", False, (48, 64), "e4m3"
+    yield torch.float16, True, "activation", False, (32, 64), "hybrid"
+    yield torch.bfloat16, True, "activation", True, (32, 64), "hybrid"  # frozen layer
+    yield torch.float32, False, "no_grad_input", False, (16, 64), "hybrid"  # input without grad (first layer)
+    yield torch.bfloat16, True, "leaf", False, (24, 64), "hybrid"  # 24 tokens: not a multiple of 16, Python path
+
+
+def _run_linear(ext, device, seed, dtype, bias, kind, frozen, shape, fmt_name, steps=3):
+    """Three training steps of a Linear (weight cached at the first of two microbatches per step); returns
+    everything that must match."""
+    torch.manual_seed(seed)
+    fmt = fp.recipe.Format.HYBRID if fmt_name == "hybrid" else fp.recipe.Format.E4M3
+    recipe = fp.recipe.DelayedScaling(fp8_format=fmt, amax_history_len=4)
+    layer = fp.Linear(64, 48, bias=bias, params_dtype=dtype, device=device)
+    if frozen:
+        layer.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in layer.parameters() if p.requires_grad], lr=0.05)
+    g = torch.Generator().manual_seed(seed + 1)
+    seen = []
+    with using(ext):
+        for _ in range(steps):
+            for micro in range(2):
+                x0 = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+                if kind == "leaf":
+                    x = x0.requires_grad_()
+                elif kind == "activation":
+                    x0.requires_grad_()
+                    x = x0 * 1.5
+                else:
+                    x = x0
+                with fp.fp8_autocast(fp8_recipe=recipe):
+                    y = layer(x, is_first_microbatch=micro == 0)
+                w = torch.randn(y.shape, generator=g).to(device=device, dtype=y.dtype)
+                (y.float() * w.float()).sum().backward()
+                seen += [y.detach(), None if x0.grad is None else x0.grad.clone()]
+            opt.step()
+            opt.zero_grad()
+    seen += [p.detach().clone() for p in layer.parameters()]
+    seen += [layer.fp8.fwd.scale, layer.fp8.fwd.amax_history, layer.fp8.bwd.scale, layer.fp8.bwd.amax_history]
+    return seen
+
+
+def _check_linear(ext_factory, device, seed):
+    for case in _linear_cases():
+        counting = CountingExtension(ext_factory())
+        got = _run_linear(counting, device, seed, *case)
+        want = _run_linear(None, device, seed, *case)
+        tokens = case[4][0] if len(case[4]) == 2 else case[4][0] * case[4][1]
+        expected_native = tokens % 16 == 0
+        assert (counting.calls["linear_fwd"] > 0) == expected_native, (case, counting.calls)
+        assert counting.calls["linear_bwd"] == (counting.calls["linear_fwd"]), (case, counting.calls)
+        for i, (a, b) in enumerate(zip(got, want)):
+            if a is None or b is None:
+                assert a is None and b is None, (case, i)
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape, (case, i)
+            assert torch.equal(a, b), (case, i, (a.double() - b.double()).abs().max().item())
+
+
+def test_native_linear_matches_python_path(cpu_ext):
+    _check_linear(lambda: cpu_ext, "cpu", seed_for("test_native_linear_matches_python_path"))
+
+
+@pytest.mark.gpu
+def test_native_linear_matches_python_path_gpu():
+    ext = _extension("cuda", None)
+    _check_linear(lambda: ext, "cuda", seed_for("test_native_linear_matches_python_path_gpu"))
+
+
+def test_native_cast_rejects_bad_outputs(cpu_ext):
+    x = torch.randn(8, 16)
+    scale = torch.ones(1)
+    with pytest.raises(RuntimeError, match="transpose has sizes"):
+        cpu_ext.cast_into(x, scale, 0, None, torch.empty(8, 16, dtype=torch.float8_e4m3fn), torch.empty(()), None, 0,
+                          None)
+    with pytest.raises(RuntimeError, match="index 3 outside a buffer of 1"):
+        cpu_ext.cast_into(x, scale, 3, torch.empty(8, 16, dtype=torch.float8_e4m3fn), None, torch.empty(()), None, 0,
+                          None)
+    with pytest.raises(RuntimeError, match="must be FP8"):
+        cpu_ext.cast_into(x, scale, 0, torch.empty(8, 16), None, torch.empty(()), None, 0, None)

@@ -29,6 +29,36 @@ def bench_quantize() -> None:
             record("quantize", f"16384x4096 {name} ({how})", "GB/s", gbs, "copy bandwidth", gbs / copy_gbs)
 
 
+def bench_native_cast() -> None:
+    """The compiled extension's cast kernels against the Triton kernels (the same bytes), bf16 -> E4M3 with
+    amax, with and without the transpose, device time of graph replays; skipped without the extension."""
+    from fp8_parallel import native
+
+    ext = native.module()
+    if ext is None or not ext.with_cuda:
+        print("native cast: extension not built, skipped")
+        return
+    copy_gbs = copy_bandwidth_gbs()
+    for m, n in ((16384, 4096), (16384, 14336), (4096, 14336), (8192, 8192)):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        scale, slot = torch.full((1,), 40.0, device="cuda"), torch.zeros(1, device="cuda")
+        out = quantize(x, scale, torch.float8_e4m3fn, with_transpose=True)
+        for with_t in (True, False):
+            call = lambda: quantize(x, scale, torch.float8_e4m3fn, amax_out=slot, with_transpose=with_t, out=out)
+            nbytes = x.numel() * (2 + 1 + (1 if with_t else 0))
+            triton_ms = None
+            for name in ("triton", "native"):
+                previous = native.use(ext if name == "native" else None)
+                try:
+                    ms = graph_ms(call)
+                finally:
+                    native.use(previous)
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                base, ratio = ("copy bandwidth", gbs / copy_gbs) if name == "triton" else ("triton kernel", triton_ms / ms)
+                record("quantize", f"{m}x{n} {'+T' if with_t else 'no T'} {name}", "GB/s", gbs, base, ratio)
+                triton_ms = ms
+
+
 def bench_row_blocks() -> None:
     """The experts' cast (`quantize_row_blocks`: 8 row blocks of uneven sizes, each with its own scale and
     amax slot, one launch, outputs allocated per call as the grouped experts do) against one per-tensor fused
@@ -75,6 +105,7 @@ def bench_gemm() -> None:
 
 if __name__ == "__main__":
     bench_quantize()
+    bench_native_cast()
     bench_row_blocks()
     bench_gemm()
     dump(sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl")

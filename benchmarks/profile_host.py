@@ -214,5 +214,86 @@ def main(rows: int = 40) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(rows)
 
 
+def native_parts(iters: int = 2000) -> None:
+    """Host time of the compiled path's calls and of what they are made of (tiny tensors, so launches do not
+    wait on the device): where one FP8 linear's forward and backward spend it."""
+    from fp8_parallel import native
+
+    ext = native.module()
+    if ext is None or not ext.with_cuda:
+        print("native parts: extension not built")
+        return
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    scale, slot, sinv = torch.ones(2, device="cuda"), torch.zeros(4, device="cuda"), torch.ones((), device="cuda")
+    qw = quantize(w, scale[:1], e4m3, with_transpose=True)
+    qx = quantize(x, scale[:1], e4m3)
+    qx_t = quantize(x.t().contiguous(), scale[:1], e4m3)._data
+    data, t = torch.empty(32, 64, dtype=e4m3, device="cuda"), torch.empty(64, 32, dtype=e4m3, device="cuda")
+    g = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    bw = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16, device="cuda")
+    xg = x.clone().requires_grad_()
+    mm = lambda a, b: torch._scaled_mm(a, b.t(), sinv, sinv, out_dtype=torch.bfloat16)
+    rows = {
+        "torch.empty (fp8)": lambda: torch.empty(32, 64, dtype=e4m3, device="cuda"),
+        "cast_into, rows": lambda: ext.cast_into(x, scale, 0, data, None, sinv, slot, 0, None),
+        "cast_into, rows + transpose": lambda: ext.cast_into(x, scale, 0, data, t, sinv, slot, 0, None),
+        "_scaled_mm, one shape": lambda: mm(qx._data, qw._data),
+        "_scaled_mm, three shapes in turn (per GEMM)": lambda: (mm(qx._data, qw._data), mm(qw._data, qw._data),
+                                                                mm(qx_t, qx_t)),
+        "linear_fwd (no transpose kept)": lambda: ext.linear_fwd(x, scale, slot, 0, False, False, qw._data,
+                                                                 qw._scale_inv, None),
+        "linear_fwd (transpose kept)": lambda: ext.linear_fwd(x, scale, slot, 0, True, False, qw._data,
+                                                              qw._scale_inv, None),
+        "linear_bwd (dgrad + wgrad)": lambda: ext.linear_bwd(g, scale, slot, 1, True, qw._transpose_cache.buffer,
+                                                             qw._scale_inv, qx_t, None, None, sinv, True, True, False,
+                                                             0, 0),
+        "F.linear bf16": lambda: torch.nn.functional.linear(x, w),
+        "bf16 nn.Linear fwd + bwd": lambda: bw(xg).backward(g),
+    }
+    print("host us per call, compiled path and its parts:")
+    for name, fn in rows.items():
+        us = host_us(fn, iters)
+        if name.startswith("_scaled_mm, three"):
+            us /= 3
+        print(f"  {name:50s} {us:7.1f}")
+
+
+def chain_profile(rows: int = 30, tokens: int = 4096, width: int = 2048) -> None:
+    """cProfile of the 8-linear FP8 chain's forward + backward (tottime order): where its host time goes."""
+    import cProfile
+    import pstats
+
+    mods = torch.nn.Sequential(*[fp.Linear(width, width, bias=False, params_dtype=torch.bfloat16, device="cuda")
+                                 for _ in range(8)])
+    x0 = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    recipe = fp.DelayedScaling(amax_history_len=16)
+
+    def step(first: bool) -> None:
+        y = x0 * 1.0
+        with fp.autocast(recipe=recipe):
+            for m in mods:
+                y = m(y, is_first_microbatch=first)
+        y.sum().backward()
+
+    step(True)
+    for _ in range(20):
+        step(False)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        step(False)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 40)
+    if len(sys.argv) > 1 and sys.argv[1] == "chain-profile":
+        chain_profile()
+    elif len(sys.argv) > 1 and sys.argv[1] == "native-parts":
+        native_parts()
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 40)

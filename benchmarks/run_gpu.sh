@@ -11,6 +11,11 @@ out=$(realpath -m "${1:-bench_results.jsonl}")
 rm -f "$out"
 status=0
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
+# the compiled host path (fp8_parallel/csrc), built in place unless a build is there or FP8_PARALLEL_NATIVE=0
+if [ "${FP8_PARALLEL_NATIVE:-1}" != 0 ] && ! ls fp8_parallel/_native*.so >/dev/null 2>&1; then
+  python3 setup.py -q build_ext --inplace >build_native.log 2>&1 || { echo "native build failed: build_native.log"; status=1; }
+fi
+python3 -c "from fp8_parallel import native; m = native.module(); print('compiled host path:', 'CUDA build' if m is not None and m.with_cuda else 'not built (Python path)')"
 # the GPU tests in parallel processes (one GPU each; multi-GPU tests see all): about 2.5 minutes on two H200s
 timeout 600 python3 benchmarks/gpu_test_shards.py --timeout 540 2>&1 | grep -v Warning || status=1
 for b in benchmarks/bench_*.py; do

@@ -101,6 +101,12 @@ class AmaxTable:
         offset = self._offset(meta)
         return self._buffer[HEADER + offset : HEADER + offset + meta.num_tensors]
 
+    def slot_address(self, meta: FP8Meta) -> Tuple[torch.Tensor, int]:
+        """`(buffer, index)`: `meta`'s first slot as an index into the table's buffer, without making a view (the
+        compiled path writes through it). The buffer is current until the next registration grows it."""
+        offset = self._offset(meta)
+        return self._buffer, HEADER + offset
+
     def slots_of(self, metas: Sequence[FP8Meta]) -> List[torch.Tensor]:
         """`slots(meta)` for each of `metas` (registered in that order when new), made as one view split into
         rows when their slots are contiguous, as they are when the metas are registered together."""

@@ -74,15 +74,23 @@ def test_cached_kernel_launches_respecialize(hp_dtype):
     base = (torch.randn(4096 + 8, device="cuda", generator=gen) * 5).to(hp_dtype)
     cases = [base[: 64 * 64].view(64, 64), base[1 : 1 + 64 * 64].view(64, 64),  # aligned, then an offset pointer
              base[: 48].view(1, 48), base[: 17 * 48].view(17, 48), base[3 : 3 + 40 * 30].view(40, 30)]
+    from fp8_parallel import native
+
+    ext = native.module()
     for fp8_dtype in (E4M3, E5M2):
         for x in cases * 2:  # the second round takes the cached kernels
             scale = torch.full((1,), 13.0, device="cuda")
-            got = [quantize(x, scale, fp8_dtype, amax_out=torch.zeros(1, device="cuda"), with_transpose=True)]
-            triton_kernels.FAST_LAUNCH = False
+            got = []
+            if ext is not None:  # the compiled extension's kernel, on the same cases
+                got.append(quantize(x, scale, fp8_dtype, amax_out=torch.zeros(1, device="cuda"), with_transpose=True))
+            previous = native.use(None)  # the Triton kernels
             try:
+                got.append(quantize(x, scale, fp8_dtype, amax_out=torch.zeros(1, device="cuda"), with_transpose=True))
+                triton_kernels.FAST_LAUNCH = False
                 got.append(quantize(x, scale, fp8_dtype, amax_out=torch.zeros(1, device="cuda"), with_transpose=True))
             finally:
                 triton_kernels.FAST_LAUNCH = True
+                native.use(previous)
             ref = quantize(x, scale, fp8_dtype, with_transpose=True, force_torch=True)
             for q in got:
                 assert torch.equal(q._data.view(torch.uint8), ref._data.view(torch.uint8)), (tuple(x.shape), fp8_dtype)

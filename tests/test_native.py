@@ -194,3 +194,30 @@ def test_native_cast_rejects_bad_outputs(cpu_ext):
                           None)
     with pytest.raises(RuntimeError, match="must be FP8"):
         cpu_ext.cast_into(x, scale, 0, torch.empty(8, 16), None, torch.empty(()), None, 0, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,fin,fout,bias", [(4096, 2048, 1024, True), (2048, 1024, 3072, False), (512, 4096, 512, True)])
+def test_native_linear_matches_python_path_large_gpu(tokens, fin, fout, bias):
+    """Shapes of a real layer (the GEMMs' algorithms differ by shape): one forward + backward, bit for bit."""
+    ext = _extension("cuda", None)
+    seed = seed_for("test_native_linear_matches_python_path_large_gpu")
+    results = []
+    for use in (ext, None):
+        torch.manual_seed(seed)
+        layer = fp.Linear(fin, fout, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+        x0 = torch.randn(tokens, fin, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
+        counting = CountingExtension(ext) if use is not None else None
+        with using(counting):
+            for micro in range(2):
+                with fp.fp8_autocast(fp8_recipe=fp.recipe.DelayedScaling(amax_history_len=4)):
+                    y = layer(x0 * 2.0, is_first_microbatch=micro == 0)
+                y.backward(g)
+        if counting is not None:
+            assert counting.calls["linear_fwd"] == 2 and counting.calls["linear_bwd"] == 2, counting.calls
+        results.append([y, x0.grad, layer.weight.grad, layer.bias.grad if bias else None, layer.fp8.bwd.amax_history])
+    for i, (a, b) in enumerate(zip(*results)):
+        if a is None:
+            continue
+        assert torch.equal(a, b), (i, (a.double() - b.double()).abs().max().item())

@@ -1,6 +1,8 @@
-// The CUDA cast entry point (cast_kernels.cu), for the host code in native.cpp.
+// The CUDA entry points (cast_kernels.cu, lt_gemm.cpp), for the host code in native.cpp.
 #pragma once
 #include <ATen/ATen.h>
+
+#include <optional>
 
 namespace fp8p {
 
@@ -9,5 +11,10 @@ namespace fp8p {
 // amax of |x| into `amax` (may be null). A non-zero `noop` flag (may be null) makes it a no-op on the device.
 void cast_cuda(const at::Tensor& x, const float* scale, unsigned char* data, unsigned char* t, float* scale_inv,
                float* amax, const at::Tensor* noop, bool e5m2);
+
+// out = a @ b.T (+ bias) for row-major FP8 a [M, K], b [N, K] with per-tensor scales, through cuBLASLt with a
+// plan kept per shape (the kernel torch._scaled_mm runs); false where it does not apply (then call torch).
+bool lt_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_sinv, const at::Tensor& b_sinv,
+                  const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, at::Tensor& out);
 
 }  // namespace fp8p

@@ -103,12 +103,18 @@ Tensor scale_operand(const Tensor& scale_inv) {
 Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor& b_sinv, const OptTensor& bias,
             at::ScalarType out, bool fast_accum) {
   const Tensor sa = scale_operand(a_sinv), sb = scale_operand(b_sinv);
-  if (bias && out != at::kBFloat16) {
-    const Tensor r = at::_scaled_mm(aligned(a), aligned(b).t(), sa, sb, std::nullopt, std::nullopt, at::kFloat,
-                                    fast_accum) + bias->to(at::kFloat);
-    return out == at::kFloat ? r : r.to(out);
-  }
-  return at::_scaled_mm(aligned(a), aligned(b).t(), sa, sb, bias, std::nullopt, out, fast_accum);
+  const bool bias_after = bias && out != at::kBFloat16;
+  const OptTensor fused_bias = bias_after ? std::nullopt : bias;
+  const at::ScalarType result_type = bias_after ? at::kFloat : out;
+  const Tensor a16 = aligned(a), b16 = aligned(b);
+  Tensor r;
+#ifdef FP8P_WITH_CUDA
+  if (!lt_scaled_mm(a16, b16, sa, sb, fused_bias, result_type, fast_accum, r))
+#endif
+    r = at::_scaled_mm(a16, b16.t(), sa, sb, fused_bias, std::nullopt, result_type, fast_accum);
+  if (!bias_after) return r;
+  r = r + bias->to(at::kFloat);
+  return out == at::kFloat ? r : r.to(out);
 }
 
 void check_fp8(const Tensor& t, const char* what) {
@@ -146,14 +152,15 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
        noop ? &*noop : nullptr, e5m2);
 }
 
-// One FP8 linear's forward: cast x2 ([M, K]) with scale_buf[0] (E4M3) into amax_buf[amax_index], then
-// y = x2 @ W.T (+ bias) with fast accumulation, W the cached FP8 weight `w_data` ([N, K]) with `w_sinv`.
-// Returns [y, the FP8 transpose of x2 (keep_t) or undefined, x2's scale_inv, a copy of scale_buf[0:1]
-// (keep_scale: the scale a backward re-cast of x2 uses) or undefined].
-std::vector<Tensor> linear_fwd(const Tensor& x2, const Tensor& scale_buf, const OptTensor& amax_buf,
+// One FP8 linear's forward: cast x (viewed as x2 [M, K]) with scale_buf[0] (E4M3) into amax_buf[amax_index],
+// then y = x @ W.T (+ bias) with fast accumulation, W the cached FP8 weight `w_data` ([N, K]) with `w_sinv`.
+// Returns [y (x's shape with N features), the FP8 transpose of x2 (keep_t) or undefined, x2's scale_inv, a
+// copy of scale_buf[0:1] (keep_scale: the scale a backward re-cast of x uses) or undefined].
+std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const OptTensor& amax_buf,
                                int64_t amax_index, bool keep_t, bool keep_scale, const Tensor& w_data,
                                const Tensor& w_sinv, const OptTensor& bias) {
-  TORCH_CHECK(x2.dim() == 2 && x2.stride(1) == 1, "fp8_parallel native linear: input must be 2-d with contiguous rows");
+  TORCH_CHECK(x.dim() >= 1, "fp8_parallel native linear: input must have a feature dimension");
+  const Tensor x2 = rows_2d(x);
   check_fp8(w_data, "weight");
   TORCH_CHECK(w_data.size(1) == x2.size(1), "fp8_parallel native linear: input has ", x2.size(1),
               " features, the weight ", w_data.sizes());
@@ -165,13 +172,19 @@ std::vector<Tensor> linear_fwd(const Tensor& x2, const Tensor& scale_buf, const 
   cast(x2, scale_buf, 0, &qx, keep_t ? &qx_t : nullptr, sinv, amax_buf, amax_index, nullptr, false);
   const OptTensor b = bias ? OptTensor(bias->to(x2.scalar_type())) : std::nullopt;
   Tensor y = gemm(qx, w_data, sinv, w_sinv, b, x2.scalar_type(), true);
+  if (x.dim() != 2) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = w_data.size(0);
+    y = y.view(shape);
+  }
   return {y, qx_t, sinv, saved_scale};
 }
 
 // One FP8 linear's backward from `linear_fwd`'s outputs: cast g2 ([M, N]) with g_scale_buf[0] (E5M2 when
 // g_e5m2) into g_amax_buf[g_amax_index]; dgrad = g2 @ W from the weight's FP8 transpose `w_t` ([K, N]);
 // wgrad = g2.T @ x2 from x2's FP8 transpose, given (`x_t`, [K, M]) or re-cast here from `x_ref` with
-// `x_scale`; the bias gradient g2.sum(0). Returns [grad_x, grad_w, grad_b], undefined where not asked for.
+// `x_scale`; the bias gradient g2.sum(0). Returns [grad_x (g's shape with K features), grad_w, grad_b],
+// undefined where not asked for.
 std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const OptTensor& g_amax_buf,
                                int64_t g_amax_index, bool g_e5m2, const OptTensor& w_t, const OptTensor& w_sinv,
                                const OptTensor& x_t, const OptTensor& x_ref, const OptTensor& x_scale,
@@ -209,6 +222,11 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
     grad_w = gemm(qg_t, xt, g_sinv, *x_sinv, std::nullopt, dtype_of(w_dtype), false);
   }
   if (need_bgrad) grad_b = g2.sum(0).to(dtype_of(w_dtype));
+  if (grad_x.defined() && g.dim() != 2) {  // in the input's shape: g's with the input's features
+    std::vector<int64_t> shape(g.sizes().begin(), g.sizes().end());
+    shape.back() = grad_x.size(1);
+    grad_x = grad_x.view(shape);
+  }
   return {grad_x, grad_w, grad_b};
 }
 

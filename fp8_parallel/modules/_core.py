@@ -66,6 +66,8 @@ class FP8State(torch.nn.Module):
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)
         self.weight_version: Optional[int] = None  # the weight's version counter when it was cached
         self.expert_stack = None  # first expert of a grouped linear: all experts' weight caches in one home
+        self._native_key: Optional[tuple] = None  # the layer conditions `_native_layer` last decided, and for what
+        self._native_ok = False
         self._prepared_for: Optional[Recipe] = None
 
     def prepare(self, recipe: Recipe) -> None:
@@ -93,13 +95,22 @@ class _Plan:
 
     recipe: Recipe
     forward_scale: Optional[torch.Tensor]  # [2] or None for current scaling
-    forward_slots: Optional[torch.Tensor]  # [2] amax slots or None
+    _forward_slots: Optional[torch.Tensor]  # [2] amax slots or None (see `forward_slots`)
     key_state: Optional[object]
     counts_backward: bool = False
     phase: Optional[Phase] = None
     _saved_scale: Optional[torch.Tensor] = None
     meta: Optional[FP8Meta] = None  # the forward meta whose scale buffer `forward_scale` is (None: a copy)
     checkpointed: bool = False  # called inside an activation-checkpointed region (first pass or recompute)
+    slot_address: Optional[tuple] = None  # (table buffer, index) of the forward slots, their view made on demand
+
+    @property
+    def forward_slots(self) -> Optional[torch.Tensor]:
+        """The `[2]` forward amax slots (a view into the scope's table, made on first use), or None."""
+        if self._forward_slots is None and self.slot_address is not None:
+            buffer, index = self.slot_address
+            self._forward_slots = buffer[index : index + 2]
+        return self._forward_slots
 
     def saved_forward_scale(self, index: int) -> torch.Tensor:
         """`[1]`: forward scale `index` as this call casts with it, kept for a re-cast in backward (the scope's
@@ -132,8 +143,9 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     if enabled:
         recipe, key = scope.recipe, scope.state
         state.prepare(recipe)
-        slots = None if isinstance(recipe, CurrentScaling) else key.forward.slots(state.fwd)
-        plan = _scope_plan(state, recipe, key, slots)
+        plan = _scope_plan(state, recipe, key, None)
+        if not isinstance(recipe, CurrentScaling):  # the slots' view is made when a cast needs it
+            plan.slot_address = key.forward.slot_address(state.fwd)
     if region is not None:  # a first pass: its recompute repeats this decision
         snap = None
         if plan is not None:
@@ -527,34 +539,36 @@ class _NativeFP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qweight, options):
         ext, state, plan = options
-        x2 = x.reshape(-1, x.shape[-1])
         wgrad = weight.requires_grad
         leaf = x.grad_fn is None  # kept by reference, its transpose re-cast in backward (`_input_operand`)
-        y, qx_t, x_sinv, x_scale = ext.linear_fwd(x2, plan.forward_scale, plan.forward_slots, FWD_INPUT,
+        slots, index = plan.slot_address
+        y, qx_t, x_sinv, x_scale = ext.linear_fwd(x, plan.forward_scale, slots, index + FWD_INPUT,
                                                   wgrad and not leaf, wgrad and leaf, qweight._data,
                                                   qweight._scale_inv, bias)
         ctx.save_for_backward(qx_t, x if wgrad and leaf else None, x_scale, x_sinv)
         # the cache is rewritten in place only by a later first microbatch (see `_weight_operand`)
-        ctx.cached_weight = (qweight._transpose_cache.buffer, qweight._scale_inv) if x.requires_grad else (None, None)
-        ctx.ext, ctx.state, ctx.plan, ctx.has_bias, ctx.x_shape = ext, state, plan, bias is not None, x.shape
-        ctx.codes = (DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype])
-        return y.view(*x.shape[:-1], y.shape[-1])
+        w_t, w_sinv = (qweight._transpose_cache.buffer, qweight._scale_inv) if x.requires_grad else (None, None)
+        ctx.native = (ext, state, plan, w_t, w_sinv, bias is not None, DTYPE_CODES[x.dtype],
+                      DTYPE_CODES[weight.dtype])
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
         qx_t, x_ref, x_scale, x_sinv = ctx.saved_tensors
-        plan, state, need = ctx.plan, ctx.state, ctx.needs_input_grad
-        w_t, w_sinv = ctx.cached_weight
+        ext, state, plan, w_t, w_sinv, has_bias, x_code, w_code = ctx.native
+        need = ctx.needs_input_grad
         e5m2 = plan.recipe.fp8_format.backward_dtype == torch.float8_e5m2
-        slot = plan.key_state.backward.slots(state.bwd)
-
-        def run():
-            return ctx.ext.linear_bwd(grad_out, state.bwd.scale, slot, BWD_GRAD_OUTPUT, e5m2, w_t, w_sinv, qx_t,
-                                      x_ref, x_scale, x_sinv, need[0], need[1], ctx.has_bias and need[2], *ctx.codes)
-
-        grad_x, grad_w, grad_b = backward_outside_autocast(run, grad_out.device.type)
+        slots, index = plan.key_state.backward.slot_address(state.bwd)
+        if torch.is_autocast_enabled(grad_out.device.type):  # outside the caller's autocast (see below)
+            with torch.autocast(grad_out.device.type, enabled=False):
+                grads = ext.linear_bwd(grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_sinv,
+                                       qx_t, x_ref, x_scale, x_sinv, need[0], need[1], has_bias and need[2], x_code,
+                                       w_code)
+        else:
+            grads = ext.linear_bwd(grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_sinv,
+                                   qx_t, x_ref, x_scale, x_sinv, need[0], need[1], has_bias and need[2], x_code, w_code)
         _backward_done(plan)
-        return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None, None
+        return grads[0], grads[1], grads[2], None, None
 
 
 def _native_linear(x: torch.Tensor, weight: torch.Tensor, qweight: Float8Tensor, state: FP8State, plan: _Plan,
@@ -563,20 +577,29 @@ def _native_linear(x: torch.Tensor, weight: torch.Tensor, qweight: Float8Tensor,
     outside checkpointed regions, the weight cached (its transpose current) and aligned, FP8 weight
     gradients, no sequence-parallel FP8 gather or delayed wgrad, and a token count that is a non-zero multiple
     of 16 (the wgrad GEMM's contraction, unpadded)."""
-    if plan.meta is None or plan.forward_slots is None or plan.checkpointed or plan.phase is not None:
+    if plan.slot_address is None or plan.meta is None or plan.checkpointed or plan.phase is not None:
         return None
     if sequence_parallel or wgrad_store is not None or not wgrad_in_fp8 or qweight is not state.weight_fp8:
         return None
     ext = native.for_device(x.device)
-    if ext is None or plan.recipe.fp8_format not in _NATIVE_FORMATS or isinstance(weight, Float8Tensor):
+    if ext is None or not _native_layer(state, weight, plan.recipe.fp8_format) or x.dtype not in DTYPE_CODES:
         return None
-    if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or features_unaligned(weight):
-        return None
-    k = x.shape[-1] if x.dim() else 0
-    tokens = x.numel() // k if k else 0
-    if tokens == 0 or tokens % 16 or k != weight.shape[1] or not qweight.has_current_transpose():
+    k = weight.shape[1]
+    tokens = x.numel() // k if x.dim() and x.shape[-1] == k else 0
+    if tokens == 0 or tokens % 16 or not qweight.has_current_transpose():
         return None
     return ext
+
+
+def _native_layer(state: FP8State, weight: torch.Tensor, fmt: Format) -> bool:
+    """The layer-level conditions of `_native_linear` (weight dtype, aligned features, an E4M3 forward),
+    decided once per weight shape, dtype and format."""
+    key = (weight.shape, weight.dtype, fmt, type(weight))
+    if state._native_key != key:
+        state._native_key = key
+        state._native_ok = (fmt in _NATIVE_FORMATS and weight.dtype in DTYPE_CODES and weight.dim() == 2
+                            and not isinstance(weight, Float8Tensor) and not features_unaligned(weight))
+    return state._native_ok
 
 
 def fp8_linear(

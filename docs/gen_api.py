@@ -22,6 +22,7 @@ MODULES = [
     "fp8_parallel.megatron_lm",
     "fp8_parallel.graphs",
     "fp8_parallel.pipeline",
+    "fp8_parallel.native",
     "parallel_state",
 ]
 OUT = Path(__file__).resolve().parent / "api.md"

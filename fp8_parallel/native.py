@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+
+__all__ = ["module", "use", "for_device", "sources", "build_cpu"]
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # as csrc/native.cpp reads them
 
@@ -50,10 +52,11 @@ def for_device(device: torch.device) -> Optional[ModuleType]:
     return ext if device.type == "cpu" or (device.type == "cuda" and ext.with_cuda) else None
 
 
-def sources() -> list:
-    """The extension's source files: the host code, and the CUDA kernels when `cuda`."""
+def sources() -> Tuple[List[str], List[str]]:
+    """The extension's source files: `(host code, CUDA-only files)` (the CUDA kernels and the cuBLASLt GEMM)."""
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-    return [os.path.join(here, "native.cpp")], [os.path.join(here, "cast_kernels.cu")]
+    return ([os.path.join(here, "native.cpp")],
+            [os.path.join(here, "cast_kernels.cu"), os.path.join(here, "lt_gemm.cpp")])
 
 
 def build_cpu(build_dir: str, verbose: bool = False) -> ModuleType:

@@ -307,7 +307,11 @@ def _param_dtype_case(pdt: torch.dtype, device: str, monkeypatch) -> None:
                 assert wa.grad.dtype == pdt, where
                 _equal(wa.grad, wb.grad, f"weight{i} grad", where)
                 if SPLITS[i]:
-                    assert _rel(wa.grad, ws[i].grad) < FP8_BWD_TOL, f"weight{i} grad from float64 {where}"
+                    # an expert with a few rows sums few products, so its gradient keeps the elements' rounding:
+                    # up to half an E5M2 step (12.5%) of the gradient plus half an E4M3 step (6.25%) of the
+                    # input (seed 44449: 0.126 for the 5-row expert under HYBRID)
+                    tol = FP8_BWD_TOL if SPLITS[i] >= 16 else 0.19
+                    assert _rel(wa.grad, ws[i].grad) < tol, f"weight{i} grad from float64 {where}"
                 wa.grad = wb.grad = None
 
 

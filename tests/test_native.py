@@ -111,26 +111,32 @@ def test_native_cast_matches_torch_formulas_gpu():
 
 
 def _linear_cases():
-    # (params dtype, bias, input kind, frozen weight, input shape, format)
-    yield torch.float32, True, "activation", False, (32, 64), "hybrid"
-    yield torch.bfloat16, True, "leaf", False, (2, 16, 64), "hybrid"
-    yield torch.bfloat16, False, "activation", False, (48, 64), "e4m3"
-    yield torch.float16, True, "activation", False, (32, 64), "hybrid"
-    yield torch.bfloat16, True, "activation", True, (32, 64), "hybrid"  # frozen layer
-    yield torch.float32, False, "no_grad_input", False, (16, 64), "hybrid"  # input without grad (first layer)
-    yield torch.bfloat16, True, "leaf", False, (24, 64), "hybrid"  # 24 tokens: not a multiple of 16, Python path
+    # (params dtype, bias, input kind, frozen weight, input shape, format, weight cached)
+    yield torch.float32, True, "activation", False, (32, 64), "hybrid", True
+    yield torch.bfloat16, True, "leaf", False, (2, 16, 64), "hybrid", True
+    yield torch.bfloat16, False, "activation", False, (48, 64), "e4m3", True
+    yield torch.float16, True, "activation", False, (32, 64), "hybrid", True
+    yield torch.bfloat16, True, "activation", True, (32, 64), "hybrid", True  # frozen layer
+    yield torch.float32, False, "no_grad_input", False, (16, 64), "hybrid", True  # input without grad (first layer)
+    yield torch.bfloat16, True, "leaf", False, (24, 64), "hybrid", True  # 24 tokens: not a multiple of 16, Python path
+    # the weight cast at every call (is_first_microbatch=None, TransformerEngine's default)
+    yield torch.bfloat16, True, "leaf", False, (32, 64), "hybrid", False
+    yield torch.float32, False, "activation", True, (2, 16, 64), "hybrid", False  # frozen: the dgrad re-casts it
+    yield torch.float16, True, "activation", False, (48, 64), "e4m3", False
+    yield torch.bfloat16, True, "no_grad_input", False, (16, 64), "hybrid", False
 
 
-def _run_linear(ext, device, seed, dtype, bias, kind, frozen, shape, fmt_name, steps=3):
-    """Three training steps of a Linear (weight cached at the first of two microbatches per step); returns
-    everything that must match."""
+def _run_linear(ext, device, seed, dtype, bias, kind, frozen, shape, fmt_name, cached, steps=3):
+    """Three training steps of a Linear, two microbatches each (the weight cached at the first, or `cached=False`
+    cast at every call); returns everything that must match."""
     torch.manual_seed(seed)
     fmt = fp.recipe.Format.HYBRID if fmt_name == "hybrid" else fp.recipe.Format.E4M3
     recipe = fp.recipe.DelayedScaling(fp8_format=fmt, amax_history_len=4)
     layer = fp.Linear(64, 48, bias=bias, params_dtype=dtype, device=device)
     if frozen:
         layer.weight.requires_grad_(False)
-    opt = torch.optim.SGD([p for p in layer.parameters() if p.requires_grad], lr=0.05)
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trained, lr=0.05) if trained else None
     g = torch.Generator().manual_seed(seed + 1)
     seen = []
     with using(ext):
@@ -145,12 +151,13 @@ def _run_linear(ext, device, seed, dtype, bias, kind, frozen, shape, fmt_name, s
                 else:
                     x = x0
                 with fp.fp8_autocast(fp8_recipe=recipe):
-                    y = layer(x, is_first_microbatch=micro == 0)
+                    y = layer(x, is_first_microbatch=(micro == 0) if cached else None)
                 w = torch.randn(y.shape, generator=g).to(device=device, dtype=y.dtype)
                 (y.float() * w.float()).sum().backward()
                 seen += [y.detach(), None if x0.grad is None else x0.grad.clone()]
-            opt.step()
-            opt.zero_grad()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
     seen += [p.detach().clone() for p in layer.parameters()]
     seen += [layer.fp8.fwd.scale, layer.fp8.fwd.amax_history, layer.fp8.bwd.scale, layer.fp8.bwd.amax_history]
     return seen

@@ -18,7 +18,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;      // elements per vector access
 constexpr int kTileM = 64;   // rows of x per transposing program
-constexpr int kTileN = 64;   // columns of x per transposing program
+constexpr int kTileN = 128;  // columns of x per transposing program
+constexpr int kUnroll = 4;   // runs of 8 elements per thread per loop of the row-major cast
 constexpr int kPad = 4;      // bytes of padding per shared-memory row (bank spread)
 
 template <typename T>
@@ -99,36 +100,55 @@ struct CastArgs {
   bool vec_t;             // M % 16 == 0 and t 16-byte aligned: 16-byte transposed stores
 };
 
-// rows of x, no transpose: each thread casts runs of 8 elements of one row
+// rows of x, no transpose: each thread casts runs of 8 elements of one row, kUnroll runs at a time (their loads
+// issued together)
 template <typename T, __nv_fp8_interpretation_t FMT>
 __global__ void __launch_bounds__(kThreads) cast_rows_kernel(CastArgs a) {
   if (skipped(a.noop, a.noop_bytes)) return;
   const float scale = *a.scale;
-  const T* x = static_cast<const T*>(a.x);
+  const T* __restrict__ x = static_cast<const T*>(a.x);
+  unsigned char* __restrict__ data = a.data;
   const int64_t runs_per_row = (a.N + kVec - 1) / kVec;
   const int64_t runs = a.M * runs_per_row;
+  const bool flat = a.stride_x == a.N;  // contiguous rows: run r starts at element 8 r
   float mx = 0.0f;
-  for (int64_t r = blockIdx.x * (int64_t)kThreads + threadIdx.x; r < runs; r += (int64_t)gridDim.x * kThreads) {
-    const int64_t row = r / runs_per_row;
-    const int64_t col = (r - row * runs_per_row) * kVec;
-    const T* src = x + row * a.stride_x + col;
-    unsigned char* dst = a.data + row * a.N + col;
+  const int64_t step = (int64_t)gridDim.x * kThreads * kUnroll;
+  for (int64_t base = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x; base < runs; base += step) {
     if (a.vec) {
-      float v[kVec];
-      load8<T>(src, v);
-      unsigned char q[kVec];
+      float v[kUnroll][kVec];
+      int64_t src[kUnroll], dst[kUnroll];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        q[j] = to_fp8<FMT>(v[j], scale, a.limit);
-        mx = fmaxf(mx, abs_amax(v[j]));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = base + (int64_t)u * kThreads;
+        const int64_t row = flat ? 0 : r / runs_per_row;
+        const int64_t col = flat ? r * kVec : (r - row * runs_per_row) * kVec;
+        src[u] = r < runs ? row * a.stride_x + col : -1;
+        dst[u] = row * a.N + col;
+        if (src[u] >= 0) load8<T>(x + src[u], v[u]);
       }
-      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(q);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (src[u] < 0) continue;
+        unsigned char q[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          q[j] = to_fp8<FMT>(v[u][j], scale, a.limit);
+          mx = fmaxf(mx, abs_amax(v[u][j]));
+        }
+        *reinterpret_cast<uint2*>(data + dst[u]) = *reinterpret_cast<const uint2*>(q);
+      }
     } else {
-      const int64_t n = a.N - col < kVec ? a.N - col : kVec;
-      for (int j = 0; j < n; ++j) {
-        const float v = to_float<T>(src[j]);
-        dst[j] = to_fp8<FMT>(v, scale, a.limit);
-        mx = fmaxf(mx, abs_amax(v));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = base + (int64_t)u * kThreads;
+        if (r >= runs) break;
+        const int64_t row = r / runs_per_row;
+        const int64_t col = (r - row * runs_per_row) * kVec;
+        const int64_t n = a.N - col < kVec ? a.N - col : kVec;
+        for (int j = 0; j < n; ++j) {
+          const float v = to_float<T>(x[row * a.stride_x + col + j]);
+          data[row * a.N + col + j] = to_fp8<FMT>(v, scale, a.limit);
+          mx = fmaxf(mx, abs_amax(v));
+        }
       }
     }
   }
@@ -147,8 +167,8 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(CastArgs a) {
   const int64_t m0 = (int64_t)blockIdx.x * kTileM, n0 = (int64_t)blockIdx.y * kTileN;
   const bool full = m0 + kTileM <= a.M && n0 + kTileN <= a.N;
   float mx = 0.0f;
-  constexpr int kRunsPerRow = kTileN / kVec;                  // 8
-  constexpr int kRowsPerPass = kThreads / kRunsPerRow;        // 32
+  constexpr int kRunsPerRow = kTileN / kVec;                  // 16
+  constexpr int kRowsPerPass = kThreads / kRunsPerRow;        // 16
 #pragma unroll
   for (int pass = 0; pass < kTileM / kRowsPerPass; ++pass) {
     const int r = pass * kRowsPerPass + threadIdx.x / kRunsPerRow;
@@ -180,17 +200,21 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(CastArgs a) {
     for (int j = 0; j < kVec; ++j) tile[c + j][r] = q[j];
   }
   __syncthreads();
-  // the transposed tile: kTileN rows of kTileM bytes, 16 bytes per thread
+  // the transposed tile: kTileN rows of kTileM bytes, 16 bytes per thread and pass
   constexpr int kChunks = kTileM / 16;  // 4 per row
-  const int tn = threadIdx.x / kChunks, tm = (threadIdx.x % kChunks) * 16;
-  const int64_t trow = n0 + tn, tcol = m0 + tm;
-  if (full && a.vec_t) {
-    uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&tile[tn][tm + 4 * k]);
-    *reinterpret_cast<uint4*>(a.t + trow * a.M + tcol) = make_uint4(w[0], w[1], w[2], w[3]);
-  } else if (trow < a.N) {
-    for (int k = 0; k < 16 && tcol + k < a.M; ++k) a.t[trow * a.M + tcol + k] = tile[tn][tm + k];
+  for (int pass = 0; pass < kTileN * kChunks / kThreads; ++pass) {
+    const int chunk = pass * kThreads + threadIdx.x;
+    const int tn = chunk / kChunks, tm = (chunk % kChunks) * 16;
+    const int64_t trow = n0 + tn, tcol = m0 + tm;
+    if (full && a.vec_t) {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&tile[tn][tm + 4 * k]);
+      *reinterpret_cast<uint4*>(a.t + trow * a.M + tcol) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else if (trow < a.N) {
+      for (int k = 0; k < 16 && tcol + k < a.M; ++k) a.t[trow * a.M + tcol + k] = tile[tn][tm + k];
+    }
   }
   if (a.amax != nullptr) block_amax(mx, a.amax);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.scale_inv = __fdiv_rn(1.0f, scale);
@@ -215,7 +239,7 @@ void launch(const CastArgs& a, cudaStream_t stream) {
   } else {
     const int64_t runs = a.M * ((a.N + kVec - 1) / kVec);
     const int64_t sms = multiprocessors();
-    const int64_t blocks = std::min<int64_t>((runs + kThreads - 1) / kThreads, sms * 16);
+    const int64_t blocks = std::min<int64_t>((runs + kThreads * kUnroll - 1) / (kThreads * kUnroll), sms * 16);
     cast_rows_kernel<T, FMT><<<(unsigned)std::max<int64_t>(blocks, 1), kThreads, 0, stream>>>(a);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -153,43 +153,56 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
 }
 
 // One FP8 linear's forward: cast x (viewed as x2 [M, K]) with scale_buf[0] (E4M3) into amax_buf[amax_index],
-// then y = x @ W.T (+ bias) with fast accumulation, W the cached FP8 weight `w_data` ([N, K]) with `w_sinv`.
-// Returns [y (x's shape with N features), the FP8 transpose of x2 (keep_t) or undefined, x2's scale_inv, a
-// copy of scale_buf[0:1] (keep_scale: the scale a backward re-cast of x uses) or undefined].
+// then y = x @ W.T (+ bias) with fast accumulation. W is the cached FP8 weight `w_data` ([N, K]) with `w_sinv`,
+// or, given `w_hp` instead, that high-precision weight cast here with scale_buf[1] into amax_buf[amax_index + 1].
+// Returns [y (x's shape with N features), the FP8 transpose of x2 (keep_t) or undefined, x2's scale_inv, a copy
+// of scale_buf[0:2] (keep_scales: the scales backward re-casts x and a `w_hp` with) or undefined, the scale_inv
+// of a weight cast here or undefined].
 std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const OptTensor& amax_buf,
-                               int64_t amax_index, bool keep_t, bool keep_scale, const Tensor& w_data,
-                               const Tensor& w_sinv, const OptTensor& bias) {
+                               int64_t amax_index, bool keep_t, bool keep_scales, const OptTensor& w_data,
+                               const OptTensor& w_sinv, const OptTensor& w_hp, const OptTensor& bias) {
   TORCH_CHECK(x.dim() >= 1, "fp8_parallel native linear: input must have a feature dimension");
+  TORCH_CHECK((w_data && w_sinv) != bool(w_hp), "fp8_parallel native linear: give the FP8 weight or the weight to cast");
   const Tensor x2 = rows_2d(x);
-  check_fp8(w_data, "weight");
-  TORCH_CHECK(w_data.size(1) == x2.size(1), "fp8_parallel native linear: input has ", x2.size(1),
-              " features, the weight ", w_data.sizes());
   const auto opts = x2.options();
+  const Tensor saved_scales = keep_scales ? scale_buf.narrow(0, 0, 2).clone() : Tensor();
+  Tensor qw, qw_sinv, cast_sinv;
+  if (w_hp) {
+    const Tensor w2 = rows_2d(w_hp->detach());
+    qw = at::empty({w2.size(0), w2.size(1)}, opts.dtype(at::kFloat8_e4m3fn));
+    cast_sinv = qw_sinv = at::empty({}, opts.dtype(at::kFloat));
+    cast(w2, scale_buf, 1, &qw, nullptr, qw_sinv, amax_buf, amax_index + 1, nullptr, false);
+  } else {
+    qw = *w_data;
+    qw_sinv = *w_sinv;
+  }
+  check_fp8(qw, "weight");
+  TORCH_CHECK(qw.size(1) == x2.size(1), "fp8_parallel native linear: input has ", x2.size(1),
+              " features, the weight ", qw.sizes());
   const Tensor qx = at::empty({x2.size(0), x2.size(1)}, opts.dtype(at::kFloat8_e4m3fn));
   const Tensor qx_t = keep_t ? at::empty({x2.size(1), x2.size(0)}, opts.dtype(at::kFloat8_e4m3fn)) : Tensor();
   const Tensor sinv = at::empty({}, opts.dtype(at::kFloat));
-  const Tensor saved_scale = keep_scale ? scale_buf.narrow(0, 0, 1).clone() : Tensor();
   cast(x2, scale_buf, 0, &qx, keep_t ? &qx_t : nullptr, sinv, amax_buf, amax_index, nullptr, false);
   const OptTensor b = bias ? OptTensor(bias->to(x2.scalar_type())) : std::nullopt;
-  Tensor y = gemm(qx, w_data, sinv, w_sinv, b, x2.scalar_type(), true);
+  Tensor y = gemm(qx, qw, sinv, qw_sinv, b, x2.scalar_type(), true);
   if (x.dim() != 2) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = w_data.size(0);
+    shape.back() = qw.size(0);
     y = y.view(shape);
   }
-  return {y, qx_t, sinv, saved_scale};
+  return {y, qx_t, sinv, saved_scales, cast_sinv};
 }
 
 // One FP8 linear's backward from `linear_fwd`'s outputs: cast g2 ([M, N]) with g_scale_buf[0] (E5M2 when
-// g_e5m2) into g_amax_buf[g_amax_index]; dgrad = g2 @ W from the weight's FP8 transpose `w_t` ([K, N]);
-// wgrad = g2.T @ x2 from x2's FP8 transpose, given (`x_t`, [K, M]) or re-cast here from `x_ref` with
-// `x_scale`; the bias gradient g2.sum(0). Returns [grad_x (g's shape with K features), grad_w, grad_b],
-// undefined where not asked for.
+// g_e5m2) into g_amax_buf[g_amax_index]; dgrad = g2 @ W from the weight's FP8 transpose, given (`w_t`, [K, N])
+// or re-cast here from `w_ref` with saved_scales[1]; wgrad = g2.T @ x2 from x2's FP8 transpose, given (`x_t`,
+// [K, M]) or re-cast here from `x_ref` with saved_scales[0]; the bias gradient g2.sum(0). Returns [grad_x (g's
+// shape with K features), grad_w, grad_b], undefined where not asked for.
 std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const OptTensor& g_amax_buf,
-                               int64_t g_amax_index, bool g_e5m2, const OptTensor& w_t, const OptTensor& w_sinv,
-                               const OptTensor& x_t, const OptTensor& x_ref, const OptTensor& x_scale,
-                               const OptTensor& x_sinv, bool need_dgrad, bool need_wgrad, bool need_bgrad,
-                               int64_t x_dtype, int64_t w_dtype) {
+                               int64_t g_amax_index, bool g_e5m2, const OptTensor& w_t, const OptTensor& w_ref,
+                               const OptTensor& w_sinv, const OptTensor& x_t, const OptTensor& x_ref,
+                               const OptTensor& saved_scales, const OptTensor& x_sinv, bool need_dgrad,
+                               bool need_wgrad, bool need_bgrad, int64_t x_dtype, int64_t w_dtype) {
   const Tensor g2 = g.dim() == 2 ? g : g.reshape({-1, g.size(-1)});
   const Tensor g2c = g2.stride(1) == 1 ? g2 : g2.contiguous();
   const int64_t M = g2.size(0), N = g2.size(1);
@@ -199,25 +212,27 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
   const Tensor qg_t = need_wgrad ? at::empty({N, M}, opts.dtype(gtype)) : Tensor();
   const Tensor g_sinv = at::empty({}, opts.dtype(at::kFloat));
   cast(g2c, g_scale_buf, 0, &qg, need_wgrad ? &qg_t : nullptr, g_sinv, g_amax_buf, g_amax_index, nullptr, g_e5m2);
+  // a transpose-only re-cast of `ref` ([R, C] -> [C, R], E4M3) with saved_scales[index]
+  auto recast_t = [&](const Tensor& ref, int64_t index) {
+    TORCH_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
+    const Tensor r2 = rows_2d(ref.detach());
+    Tensor t = at::empty({r2.size(1), r2.size(0)}, opts.dtype(at::kFloat8_e4m3fn));
+    const Tensor unused_sinv = at::empty({}, opts.dtype(at::kFloat));
+    cast(r2, *saved_scales, index, nullptr, &t, unused_sinv, std::nullopt, 0, nullptr, false);
+    return t;
+  };
   Tensor grad_x, grad_w, grad_b;
   // dgrad first; its operands are released before the wgrad GEMM allocates the weight gradient
   if (need_dgrad) {
-    TORCH_CHECK(w_t && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
-    check_fp8(*w_t, "weight transpose");
-    grad_x = gemm(qg, *w_t, g_sinv, *w_sinv, std::nullopt, dtype_of(x_dtype), false);
+    TORCH_CHECK((w_t || w_ref) && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
+    const Tensor wt = w_t ? *w_t : recast_t(*w_ref, 1);
+    check_fp8(wt, "weight transpose");
+    grad_x = gemm(qg, wt, g_sinv, *w_sinv, std::nullopt, dtype_of(x_dtype), false);
   }
   qg.reset();
   if (need_wgrad) {
-    TORCH_CHECK(x_sinv && (x_t || (x_ref && x_scale)), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
-    Tensor xt;
-    if (x_t) {
-      xt = *x_t;
-    } else {
-      const Tensor xr = rows_2d(x_ref->detach());
-      xt = at::empty({xr.size(1), xr.size(0)}, opts.dtype(at::kFloat8_e4m3fn));
-      const Tensor unused_sinv = at::empty({}, opts.dtype(at::kFloat));
-      cast(xr, *x_scale, 0, nullptr, &xt, unused_sinv, std::nullopt, 0, nullptr, false);
-    }
+    TORCH_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
+    const Tensor xt = x_t ? *x_t : recast_t(*x_ref, 0);
     check_fp8(xt, "input transpose");
     grad_w = gemm(qg_t, xt, g_sinv, *x_sinv, std::nullopt, dtype_of(w_dtype), false);
   }

@@ -534,59 +534,64 @@ class _FP8Linear(torch.autograd.Function):
 
 class _NativeFP8Linear(torch.autograd.Function):
     """`_FP8Linear` for its common call (see `_native_linear`): forward and backward one compiled call each,
-    computing the same bytes with the same GEMMs; the scope bookkeeping stays in Python."""
+    computing the same bytes with the same GEMMs; the scope bookkeeping stays in Python. `qweight`: the cached
+    FP8 weight, or None to cast the weight in the forward call (and re-cast its transpose in backward)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, qweight, options):
         ext, state, plan = options
-        wgrad = weight.requires_grad
+        wgrad, dgrad = weight.requires_grad, x.requires_grad
         leaf = x.grad_fn is None  # kept by reference, its transpose re-cast in backward (`_input_operand`)
+        fresh = qweight is None  # the weight cast here, its transpose re-cast in backward (`_weight_operand`)
         slots, index = plan.slot_address
-        y, qx_t, x_sinv, x_scale = ext.linear_fwd(x, plan.forward_scale, slots, index + FWD_INPUT,
-                                                  wgrad and not leaf, wgrad and leaf, qweight._data,
-                                                  qweight._scale_inv, bias)
-        ctx.save_for_backward(qx_t, x if wgrad and leaf else None, x_scale, x_sinv)
+        y, qx_t, x_sinv, scales, cast_sinv = ext.linear_fwd(
+            x, plan.forward_scale, slots, index + FWD_INPUT, wgrad and not leaf, (wgrad and leaf) or (fresh and dgrad),
+            None if fresh else qweight._data, None if fresh else qweight._scale_inv, weight if fresh else None, bias)
+        ctx.save_for_backward(qx_t, x if wgrad and leaf else None, weight if fresh and dgrad else None, scales, x_sinv,
+                              cast_sinv if dgrad else None)
         # the cache is rewritten in place only by a later first microbatch (see `_weight_operand`)
-        w_t, w_sinv = (qweight._transpose_cache.buffer, qweight._scale_inv) if x.requires_grad else (None, None)
+        w_t, w_sinv = (qweight._transpose_cache.buffer, qweight._scale_inv) if dgrad and not fresh else (None, None)
         ctx.native = (ext, state, plan, w_t, w_sinv, bias is not None, DTYPE_CODES[x.dtype],
                       DTYPE_CODES[weight.dtype])
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_t, x_ref, x_scale, x_sinv = ctx.saved_tensors
+        qx_t, x_ref, w_ref, scales, x_sinv, cast_sinv = ctx.saved_tensors
         ext, state, plan, w_t, w_sinv, has_bias, x_code, w_code = ctx.native
         need = ctx.needs_input_grad
         e5m2 = plan.recipe.fp8_format.backward_dtype == torch.float8_e5m2
         slots, index = plan.key_state.backward.slot_address(state.bwd)
+        args = (grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_ref,
+                w_sinv if cast_sinv is None else cast_sinv, qx_t, x_ref, scales, x_sinv, need[0], need[1],
+                has_bias and need[2], x_code, w_code)
         if torch.is_autocast_enabled(grad_out.device.type):  # outside the caller's autocast (see below)
             with torch.autocast(grad_out.device.type, enabled=False):
-                grads = ext.linear_bwd(grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_sinv,
-                                       qx_t, x_ref, x_scale, x_sinv, need[0], need[1], has_bias and need[2], x_code,
-                                       w_code)
+                grads = ext.linear_bwd(*args)
         else:
-            grads = ext.linear_bwd(grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_sinv,
-                                   qx_t, x_ref, x_scale, x_sinv, need[0], need[1], has_bias and need[2], x_code, w_code)
+            grads = ext.linear_bwd(*args)
         _backward_done(plan)
         return grads[0], grads[1], grads[2], None, None
 
 
-def _native_linear(x: torch.Tensor, weight: torch.Tensor, qweight: Float8Tensor, state: FP8State, plan: _Plan,
-                   wgrad_in_fp8: bool, sequence_parallel: bool, wgrad_store) -> Optional[Any]:
+def _native_linear(x: torch.Tensor, weight: torch.Tensor, qweight: Optional[Float8Tensor], state: FP8State,
+                   plan: _Plan, wgrad_in_fp8: bool, sequence_parallel: bool, wgrad_store) -> Optional[Any]:
     """The compiled extension when it can run this call as `_NativeFP8Linear`, else None: delayed scaling
-    outside checkpointed regions, the weight cached (its transpose current) and aligned, FP8 weight
-    gradients, no sequence-parallel FP8 gather or delayed wgrad, and a token count that is a non-zero multiple
-    of 16 (the wgrad GEMM's contraction, unpadded)."""
+    outside checkpointed regions, the weight aligned and either cached (its transpose current) or, with
+    `qweight=None`, cast per call, FP8 weight gradients, no sequence-parallel FP8 gather or delayed wgrad, and
+    a token count that is a non-zero multiple of 16 (the wgrad GEMM's contraction, unpadded)."""
     if plan.slot_address is None or plan.meta is None or plan.checkpointed or plan.phase is not None:
         return None
-    if sequence_parallel or wgrad_store is not None or not wgrad_in_fp8 or qweight is not state.weight_fp8:
+    if sequence_parallel or wgrad_store is not None or not wgrad_in_fp8:
+        return None
+    if qweight is not None and (qweight is not state.weight_fp8 or not qweight.has_current_transpose()):
         return None
     ext = native.for_device(x.device)
     if ext is None or not _native_layer(state, weight, plan.recipe.fp8_format) or x.dtype not in DTYPE_CODES:
         return None
     k = weight.shape[1]
     tokens = x.numel() // k if x.dim() and x.shape[-1] == k else 0
-    if tokens == 0 or tokens % 16 or not qweight.has_current_transpose():
+    if tokens == 0 or tokens % 16:
         return None
     return ext
 
@@ -638,6 +643,12 @@ def fp8_linear(
         if wgrad_store is not None:
             return high_precision_linear(x, w, bias, wgrad_store)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if is_first_microbatch is None and getattr(plan.key_state, "weight_noop_flag", None) is None:
+        ext = _native_linear(x, weight, None, state, plan, wgrad_in_fp8, fp8_gather, wgrad_store)
+        if ext is not None:  # the weight is cast inside the compiled call (as `cast_weight` would, uncached)
+            out = _NativeFP8Linear.apply(x, weight, bias, None, (ext, state, plan))
+            _settle_backward(plan, out)
+            return out
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
     ext = _native_linear(x, weight, qweight, state, plan, wgrad_in_fp8, fp8_gather, wgrad_store)
     if ext is not None:

@@ -77,10 +77,13 @@ def fails_within(got, ref, out_tol: float = OUT_TOL, grad_tol: float = GRAD_TOL)
 @contextlib.contextmanager
 def weight_scale_inv_off(factor: float) -> Iterator[None]:
     """A deliberate bug: every FP8 weight cast carries `scale_inv * factor` (its dequantized value is off by
-    `factor`), as a scale bookkeeping error would."""
+    `factor`), as a scale bookkeeping error would. The bug is planted in the Python path's cast, so the compiled
+    host path (`fp8_parallel.native`, which casts in C++) is off meanwhile."""
     import fp8_parallel.modules._core as core
+    from fp8_parallel import native
 
     original = core._cast
+    previous = native.use(None)
 
     def buggy(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noop_flag=None):
         q = original(x, recipe, scale, slot, fp8_dtype, out, with_transpose, noop_flag)
@@ -93,3 +96,4 @@ def weight_scale_inv_off(factor: float) -> Iterator[None]:
         yield
     finally:
         core._cast = original
+        native.use(previous)

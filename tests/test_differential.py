@@ -179,7 +179,9 @@ def test_negative_controls_fail_the_same_comparison(recipe_name):
     recipe = RECIPES[recipe_name]()
     lin = _linear(k, n, torch.float32, gen)
     for step in range(2):
-        x = _make_input(gen, tokens, k, "plain", torch.float32)
+        # inputs bounded at 3 sigma: under delayed scaling a step whose amax far exceeds the history saturates
+        # (seed 3061070732: amax 10.4 after 6.2, output error 8.6% without any bug), which this test is not about
+        x = _make_input(gen, tokens, k, "plain", torch.float32).detach().clamp(-6.0, 6.0).requires_grad_()
         dy = torch.randn(tokens, n, generator=gen)
         ref = _reference(x, lin.weight, lin.bias, dy)
         good = _step(lin, x, dy, recipe, "plain")

@@ -10,7 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "cast.h"
+#include "cuda_ops.h"
 
 namespace fp8p {
 namespace {

@@ -13,7 +13,7 @@
 #include <cstring>
 #include <unordered_map>
 
-#include "cast.h"
+#include "cuda_ops.h"
 
 namespace fp8p {
 namespace {

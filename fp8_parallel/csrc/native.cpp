@@ -7,7 +7,7 @@
 #include <vector>
 
 #ifdef FP8P_WITH_CUDA
-#include "cast.h"
+#include "cuda_ops.h"
 #endif
 
 namespace fp8p {
@@ -126,7 +126,7 @@ void check_fp8(const Tensor& t, const char* what) {
 
 }  // namespace
 
-// `quantize`'s fused cast into given outputs: `data` (x's shape), `t` ([N, M]) or both; see cast.h
+// `quantize`'s fused cast into given outputs: `data` (x's shape), `t` ([N, M]) or both; see cuda_ops.h
 void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, const OptTensor& data,
                const OptTensor& t, const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index,
                const OptTensor& noop) {

@@ -565,11 +565,7 @@ class _NativeFP8Linear(torch.autograd.Function):
         args = (grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_ref,
                 w_sinv if cast_sinv is None else cast_sinv, qx_t, x_ref, scales, x_sinv, need[0], need[1],
                 has_bias and need[2], x_code, w_code)
-        if torch.is_autocast_enabled(grad_out.device.type):  # outside the caller's autocast (see below)
-            with torch.autocast(grad_out.device.type, enabled=False):
-                grads = ext.linear_bwd(*args)
-        else:
-            grads = ext.linear_bwd(*args)
+        grads = backward_outside_autocast(lambda: ext.linear_bwd(*args), grad_out.device.type)
         _backward_done(plan)
         return grads[0], grads[1], grads[2], None, None
 

@@ -263,10 +263,8 @@ void cast_cuda(const at::Tensor& x, const float* scale, unsigned char* data, uns
   a.N = x.size(1);
   a.stride_x = x.stride(0);
   a.limit = e5m2 ? 57344.0f : 448.0f;
-  const int in_bytes = (int)x.element_size();
   a.vec = a.N % kVec == 0 && a.stride_x % kVec == 0 && aligned(a.x, 16) && (data == nullptr || aligned(data, 8));
   a.vec_t = t != nullptr && a.M % 16 == 0 && aligned(t, 16);
-  (void)in_bytes;
   if (a.M == 0 || a.N == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (x.scalar_type()) {

@@ -19,7 +19,8 @@ spec and the graphed variant do not run (the experts' token counts change every 
 cannot capture).
 
 Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, megatron's bias+GELU and
-bias+dropout+add fusions (`--no-fusions` turns them off), `get_forward_backward_func` over the microbatches.
+bias+dropout+add fusions (`--no-fusions` turns them off; `--ce-fusion` adds its fused cross entropy),
+`get_forward_backward_func` over the microbatches.
 Prints and records wall time per step (median), device-busy time (union of GPU kernel intervals in one
 profiled step), tokens/s, model TFLOP/s, peak allocated / reserved memory, the first step's loss (same weights
 and data: the variants must agree) and a profile table by kernel category.
@@ -113,6 +114,8 @@ class Knobs:
     fusions: bool = True  # megatron's bias+GELU and bias+dropout+add fusions (on in Megatron-LM's defaults)
     weight_cache: bool = True  # FP8 weight casts cached per step (False: megatron's disable_parameter_transpose_cache)
     fp8_format: str = "hybrid"  # megatron's `fp8` field: "hybrid" (E5M2 gradients) or "e4m3" (E4M3 throughout)
+    ddp: bool = False  # megatron's DDP (fp32 main grads) and optimizer (fp32 master weights), as the training job
+    ce_fusion: bool = False  # megatron's cross_entropy_loss_fusion, "native" impl (Megatron-LM: --cross-entropy-loss-fusion)
 
 
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
@@ -124,6 +127,7 @@ def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = L
         hidden_dropout=knobs.dropout, attention_dropout=knobs.dropout, use_cpu_initialization=device == "cpu",
         # bias+GELU needs linear biases, which the MoE configuration has not
         bias_activation_fusion=knobs.fusions and not size.experts, bias_dropout_fusion=knobs.fusions,
+        cross_entropy_loss_fusion=knobs.ce_fusion, cross_entropy_fusion_impl="native",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
         **(dict(num_moe_experts=size.experts, moe_router_topk=size.topk, moe_ffn_hidden_size=size.moe_ffn,
@@ -150,7 +154,7 @@ def _local_to_ours(name: str) -> str:
 
 
 def _knobs(args) -> Knobs:
-    return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format)
+    return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format, args.ddp, args.ce_fusion)
 
 
 def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
@@ -246,27 +250,90 @@ def category(kernel: str) -> str:
     return "other"
 
 
-def _profile(step: Callable[[], float], device: str) -> Tuple[float, Dict[str, float], List[Tuple[str, float, int]]]:
-    """One profiled step: (device-busy ms, ms per category, top kernels (name, ms, calls))."""
+PHASES = ("forward", "backward", "optimizer")
+_PHASE_PREFIX = "e2e_phase:"
+
+
+def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """Disjoint, sorted union of (start, end) intervals."""
+    merged: List[List[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(union: List[Tuple[float, float]], start: float, end: float) -> float:
+    """How much of [start, end] the disjoint sorted `union` covers."""
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in union if a < end and b > start)
+
+
+@contextlib.contextmanager
+def _phase_markers():
+    """Host-side markers for one profiled step: each microbatch's forward and backward (megatron's
+    `backward_step`) and the optimizer step, so that the device's idle time can be put on the host phase that
+    was running while the device waited."""
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.backward_step
+
+    def marked_backward_step(*args, **kwargs):
+        with torch.profiler.record_function(_PHASE_PREFIX + "backward"):
+            return original(*args, **kwargs)
+
+    schedules.backward_step = marked_backward_step
+    try:
+        yield
+    finally:
+        schedules.backward_step = original
+
+
+def _phase(name: str):
+    """A host-phase marker (see `_phase_markers`); free outside a profile."""
+    return torch.profiler.record_function(_PHASE_PREFIX + name)
+
+
+def _idle_by_phase(prof, busy: List[Tuple[float, float]]) -> Dict[str, Tuple[float, float]]:
+    """Per host phase: (host ms in it, ms of it the device was idle); "between" is the rest of the step (from
+    the first kernel's start to the last kernel's end, outside every phase)."""
+    from torch.autograd import DeviceType
+
+    windows: Dict[str, List[Tuple[float, float]]] = {p: [] for p in PHASES}
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith(_PHASE_PREFIX):
+            windows.setdefault(e.name[len(_PHASE_PREFIX):], []).append((e.time_range.start, e.time_range.end))
+    out: Dict[str, Tuple[float, float]] = {}
+    for name, spans in windows.items():
+        spans = _union(spans)
+        host = sum(b - a for a, b in spans)
+        out[name] = (host / 1e3, (host - sum(_covered(busy, a, b) for a, b in spans)) / 1e3)
+    if busy:
+        marked = _union([w for spans in windows.values() for w in spans])
+        step_start, step_end = busy[0][0], busy[-1][1]
+        total = step_end - step_start
+        host = total - _covered(marked, step_start, step_end)
+        idle_total = total - sum(b - a for a, b in busy)
+        out["between"] = (host / 1e3, (idle_total - sum(v[1] * 1e3 for v in out.values())) / 1e3)
+    return out
+
+
+def _profile(step: Callable[[], float], device: str, top: int = 12
+             ) -> Tuple[float, Dict[str, float], List[Tuple[str, float, int]], Dict[str, Tuple[float, float]]]:
+    """One profiled step: (device-busy ms, ms per category, the `top` kernels (name, ms, calls), per host phase
+    its host ms and the device's idle ms while it ran)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with _phase_markers(), profile(activities=activities) as prof:
         step()
         _sync(device)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy_us, cur_start, cur_end = 0.0, None, None
-    for start, end in intervals:  # union of kernel intervals
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                busy_us += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        busy_us += cur_end - cur_start
+    # GPU-side ranges of host annotations (record_function, "Optimizer.step#...") are not kernels
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    busy = _union([(e.time_range.start, e.time_range.end) for e in kernels])
+    busy_us = sum(b - a for a, b in busy)
     by_cat = {c: 0.0 for c in CATEGORIES}
     by_name: Dict[str, List[float]] = {}
     for e in kernels:
@@ -275,8 +342,8 @@ def _profile(step: Callable[[], float], device: str) -> Tuple[float, Dict[str, f
         entry = by_name.setdefault(e.name, [0.0, 0])
         entry[0] += us / 1e3
         entry[1] += 1
-    top = sorted(((n, ms, int(c)) for n, (ms, c) in by_name.items()), key=lambda t: -t[1])[:12]
-    return (busy_us / 1e3 if kernels else float("nan")), by_cat, top
+    top = sorted(((n, ms, int(c)) for n, (ms, c) in by_name.items()), key=lambda t: -t[1])[:top]
+    return (busy_us / 1e3 if kernels else float("nan")), by_cat, top, _idle_by_phase(prof, busy)
 
 
 def _host_profile(step: Callable[[], object], device: str, variant: str, rows: int) -> None:
@@ -300,6 +367,31 @@ def _peaks(device: str) -> Tuple[float, float]:
     return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 
+def _with_ddp(model, cfg, device: str):
+    """`model` (a chunk or a list of chunks) under megatron's DistributedDataParallel: fp32 main grads, built
+    on a side stream (graph capture of the backward needs its gradient hooks off the default stream)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    chunks = model if isinstance(model, list) else [model]
+    with torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext():
+        wrapped = [DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+                   for i, c in enumerate(chunks)]
+    _sync(device)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    return wrapped if isinstance(model, list) else wrapped[0]
+
+
+def _megatron_optimizer(chunks):
+    """megatron's Adam on fp32 master weights (bf16 parameters), as the training job builds it."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, params_dtype=torch.bfloat16,
+                             use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.95)
+    return get_megatron_optimizer(config, chunks)
+
+
 def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     import fp8_parallel.pipeline as pipeline
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -312,13 +404,17 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
         model, cfg = _build_chunks(variant, size, device, _knobs(args), layout)
     else:
         model, cfg = _build(variant, size, device, _knobs(args), weights)
+    knobs = _knobs(args)
+    if knobs.ddp:
+        model = _with_ddp(model, cfg, device)
     chunks = model if isinstance(model, list) else [model]
-    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda")
+    opt = (_megatron_optimizer(chunks) if knobs.ddp
+           else torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda"))
     fp8 = variant.startswith("fp8")
 
     def forward_step(data_iterator, chunk):
         b = next(data_iterator)
-        with fp8_context(cfg) if fp8 else contextlib.nullcontext():
+        with _phase("forward"), fp8_context(cfg) if fp8 else contextlib.nullcontext():
             out = chunk(b["tokens"], b["position_ids"], None, labels=b["labels"])
         return out, _loss_func
 
@@ -331,15 +427,20 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
+        if knobs.ddp:
+            for c in chunks:
+                c.zero_grad_buffer()
         data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
         losses = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=model,
             num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs)
-        opt.step()
+        with _phase("optimizer"):
+            opt.step()
         return losses
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    start_alloc = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else float("nan")
     first = step()  # the weights every variant starts from: its loss must agree across variants
     # (under pipeline parallelism only the last stage has losses)
     first_loss = float(torch.stack([d["loss"] for d in first]).mean()) if first else float("nan")
@@ -355,11 +456,12 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     peak_alloc, peak_reserved = _peaks(device)
     if args.host_profile:
         _host_profile(step, device, variant, args.host_profile)
-    busy, by_cat, top = _profile(step, device)
+    busy, by_cat, top, idle = _profile(step, device, args.top)
     wall = statistics.median(times)
     result = dict(variant=variant, wall_ms=wall, wall_range_ms=(min(times), max(times)), busy_ms=busy, tokens_s=size.tokens / (wall / 1e3),
                   tflops=size.model_flops() / (wall / 1e3) / 1e12, peak_alloc=peak_alloc,
-                  peak_reserved=peak_reserved, loss=first_loss, by_cat=by_cat, top=top)
+                  peak_reserved=peak_reserved, loss=first_loss, by_cat=by_cat, top=top, idle=idle,
+                  start_alloc=start_alloc)
     if graphed is not None:
         graphed.reset()  # release the graphs and their memory pool
     del model, opt, graphed
@@ -383,6 +485,7 @@ def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
 def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Knobs = Knobs()) -> None:
     by = {r["variant"]: r for r in results}
     case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
+            + (" fused-CE" if knobs.ce_fusion else "") + (" DDP" if knobs.ddp else "")
             + ("" if knobs.weight_cache else " no-weight-cache"))
     print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
           f"{'rsrv GiB':>9s} {'loss':>8s}")
@@ -393,6 +496,10 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
           + "".join(f"{LABELS[r['variant']][:22]:>24s}" for r in results))
     for c in CATEGORIES:
         print(f"{c:18s}" + "".join(f"{r['by_cat'][c]:24.1f}" for r in results))
+    print("\nwhere the device waits: per host phase, host ms / device-idle ms while it ran (one profiled step)")
+    for r in results:
+        cells = ", ".join(f"{name} {host:.1f} / {idle:.1f}" for name, (host, idle) in r["idle"].items())
+        print(f"  {LABELS[r['variant']]:26s} {cells}")
     for r in results:
         print(f"\ntop kernels, {LABELS[r['variant']]}:")
         for name, ms, calls in r["top"]:
@@ -419,6 +526,15 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
         if r["busy_ms"] == r["busy_ms"]:  # a device profile exists (not a CPU dry run)
             for c in CATEGORIES:
                 record(BENCH, f"{label} {c}", "dev ms", r["by_cat"][c])
+            for phase, (host, idle) in r["idle"].items():
+                record(BENCH, f"{label} idle in {phase}", "dev ms", idle, "host ms in it", idle / host if host else float("nan"))
+    first_start = results[0]["start_alloc"] if results else float("nan")
+    for r in results[1:]:
+        left = r["start_alloc"] - first_start  # allocated before its first step, beyond what the first variant saw
+        if left > 0.5:
+            print(f"WARNING: {LABELS[r['variant']]} started with {left:.2f} GiB more allocated than the first variant "
+                  f"(memory an earlier variant left behind): its peak memory includes it; run the variants in "
+                  f"separate processes (--variants) for peak-memory figures", flush=True)
     if base:
         for r in results:
             if abs(r["loss"] - base["loss"]) > 0.02 * abs(base["loss"]):
@@ -440,6 +556,11 @@ def main(argv: List[str]) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--ddp", action="store_true",
+                   help="megatron's DistributedDataParallel (fp32 main grads) and its optimizer (fp32 master weights, "
+                        "Adam) instead of torch's fused AdamW on the bf16 parameters, as the training job runs")
+    p.add_argument("--ce-fusion", action="store_true",
+                   help="megatron's fused cross entropy (cross_entropy_loss_fusion, native) for every variant")
     p.add_argument("--no-fusions", dest="fusions", action="store_false",
                    help="without megatron's bias+GELU and bias+dropout+add fusions (on by default for every variant, "
                         "as in Megatron-LM's defaults: the strongest BF16 baseline)")
@@ -458,6 +579,7 @@ def main(argv: List[str]) -> None:
     p.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
     p.add_argument("--moe-ffn", type=int, default=0, help="MoE: an expert's FFN hidden size (default --ffn)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (with torchrun)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per variant in the device profile")
     p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
                    help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
     args = p.parse_args(argv)

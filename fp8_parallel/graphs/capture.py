@@ -15,7 +15,8 @@ from .graphed_callable import GraphedCallable
 from .layout import Layout, expand_samples, layout_of
 from .recording import _fp8_states, _restore_fp8_state, _save_fp8_state
 from .rng import RngSnapshot, TrackerWatch, graph_safe_generators
-from .runners import RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers
+from .runners import (RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers,
+                      follows_main_grad_protocol)
 
 
 def _uses_cuda_graphs() -> bool:
@@ -294,6 +295,10 @@ def _capture(entries: list, layout: Layout, pool) -> None:
     for i, e in enumerate(entries):
         outs = e.pop("warm_outputs")
         grads = e.pop("warm_grads")
+        first_param = len(e["runners"][0].requires_grad)
+        for j, p in enumerate(e["params"]):  # their backward graphs add into `main_grad` (see _GraphRunner)
+            if p.requires_grad and follows_main_grad_protocol(p):
+                grads[first_param + j] = None
         grad_buffers[i] = _GradBuffers(
             [torch.empty_like(o) if o.requires_grad else None for o in outs],
             [torch.empty_like(g) if g is not None else None for g in grads])

@@ -35,6 +35,23 @@ LEGACY_STREAM_HINT = (
     "model = DistributedDataParallel(...)`."
 )
 
+def follows_main_grad_protocol(param: torch.Tensor) -> bool:
+    """Whether `param` takes part in megatron's DistributedDataParallel gradient protocol: a `main_grad` buffer
+    of its shape and the `grad_added_to_main_grad` flag (megatron's DDP sets both; TransformerEngine's fused
+    weight-gradient accumulation writes through them)."""
+    main_grad = getattr(param, "main_grad", None)
+    return (isinstance(main_grad, torch.Tensor) and main_grad.shape == param.shape
+            and hasattr(param, "grad_added_to_main_grad"))
+
+
+def _same_buffer(current: Optional[torch.Tensor], captured: torch.Tensor) -> bool:
+    """Whether `current` is the memory a graph captured as `captured` (the same tensor, or a view equal to it)."""
+    return current is captured or (
+        isinstance(current, torch.Tensor) and current.data_ptr() == captured.data_ptr()
+        and current.dtype == captured.dtype and current.shape == captured.shape
+        and current.stride() == captured.stride())
+
+
 def _end_generator_captures(generators: Tuple[torch.Generator, ...]) -> None:
     """Take the RNG states a failed capture registered out of capture mode.
 
@@ -125,6 +142,12 @@ class _GraphRunner(_Runner):
     buffers per callable (a backward's gradients are consumed before the callable's next backward). The
     graphs copy their results into them; temporaries stay in the shared pool, where later captures reuse
     them.
+
+    Parameters under megatron's DistributedDataParallel protocol (`follows_main_grad_protocol`) have no
+    gradient buffer: the backward graph adds their gradient into the `main_grad` it captured, the addition
+    megatron's gradient hook would make, and each replay hands autograd an unused tensor with
+    `grad_added_to_main_grad` set (TransformerEngine's fused accumulation protocol), so the hook still runs
+    its bookkeeping but adds nothing. That saves two copies of every weight gradient per microbatch.
     """
 
     def capture_forward(self, static: "_SlotBuffers", pool) -> None:
@@ -143,6 +166,10 @@ class _GraphRunner(_Runner):
     def capture_backward(self, shared: "_GradBuffers", pool) -> None:
         outs = self._outputs_with_graph
         self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
+        first_param = len(self.requires_grad)
+        # position in the gradient list -> (parameter, the main_grad the graph adds into)
+        self.main_grads = {first_param + j: (p, p.main_grad) for j, p in enumerate(self.params)
+                           if p.requires_grad and follows_main_grad_protocol(p)}
         self.bwd_graph = torch.cuda.CUDAGraph()
         cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
         try:
@@ -153,8 +180,12 @@ class _GraphRunner(_Runner):
                     cause.append(err)
                     raise
                 with torch.no_grad():
-                    for buf, g in zip(self.static_grads, grads):
-                        if buf is not None and g is not None:
+                    for k, (buf, g) in enumerate(zip(self.static_grads, grads)):
+                        if g is None:
+                            continue
+                        if k in self.main_grads:
+                            self.main_grads[k][1].add_(g)
+                        elif buf is not None:
                             buf.copy_(g)
                 del grads
         except RuntimeError as err:
@@ -170,7 +201,7 @@ class _GraphRunner(_Runner):
             if graph is not None:
                 graph.reset()
         for name in ("fwd_graph", "bwd_graph", "static_inputs", "static_outputs", "static_grad_outputs",
-                     "static_grads", "recorder"):
+                     "static_grads", "recorder", "main_grads"):
             self.__dict__.pop(name, None)
 
     def forward(self, inputs: List[torch.Tensor]):
@@ -184,8 +215,22 @@ class _GraphRunner(_Runner):
         for dst, src in zip(self.static_grad_outputs, grad_outputs):
             if dst is not None:
                 dst.copy_(src) if src is not None else dst.zero_()
+        if not self.main_grads:
+            self.bwd_graph.replay()
+            return self.static_grads  # the held tensors themselves: autograd copies them instead of stealing
+        for k, (param, main_grad) in self.main_grads.items():
+            if not _same_buffer(getattr(param, "main_grad", None), main_grad):
+                raise RuntimeError(
+                    f"graphed backward: parameter {k - len(self.requires_grad)} (shape {tuple(param.shape)}) no "
+                    f"longer has the `main_grad` it had at capture, which the backward graph adds into. Keep "
+                    f"megatron's gradient buffers in place (its `zero_grad_buffer()` does), or capture again")
         self.bwd_graph.replay()
-        return self.static_grads  # the held tensors themselves: autograd copies them instead of stealing
+        grads = list(self.static_grads)
+        for k, (param, _) in self.main_grads.items():
+            param.grad_added_to_main_grad = True
+            # fresh each replay, so autograd takes it without a copy; zeros where the parameter asks for them
+            grads[k] = torch.zeros_like(param) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(param)
+        return grads
 
 
 @dataclasses.dataclass

@@ -5,6 +5,7 @@ Usage (under torchrun): graph_checks.py TP PP VPP   (VPP 0 = no interleaving)
                         graph_checks.py stack        (1 rank: 2 chunks x 2 layers driven in a pipeline order)
                         graph_checks.py dropout      (1 GPU: layers that fork megatron's RNG tracker)
                         graph_checks.py dropout-eager (1 GPU: a graphed dropout layer equals its eager twin)
+                        graph_checks.py ddp          (1 GPU: under megatron's DDP, graphs add into main_grad)
 On CPU (gloo) the graphed layers take the eager path of make_graphed_callables; on GPUs (NCCL) they replay
 CUDA graphs.
 """
@@ -19,7 +20,7 @@ import fp8_parallel as fp
 import parallel_state as ps
 from rank_checks import run_checks, test_seed
 
-MODE = sys.argv[1] if sys.argv[1] in ("stack", "dropout", "dropout-eager") else "schedule"
+MODE = sys.argv[1] if sys.argv[1] in ("stack", "dropout", "dropout-eager", "ddp") else "schedule"
 STACK = MODE == "stack"
 TP, PP, VPP = (int(a) for a in sys.argv[1:4]) if MODE == "schedule" else (1, 1, 0)
 VPP = VPP or None
@@ -364,7 +365,103 @@ def _check_dropout_layer_matches_eager():
         assert torch.equal(a, b), f"item {i}: max abs diff {(a.float() - b.float()).abs().max()}"
 
 
+# -- megatron's DistributedDataParallel: weight gradients added into main_grad inside the backward graphs --------
+
+def _ddp_wrapped(chunk, cfg):
+    """`chunk` under megatron's DDP (fp32 main grads, reduction overlapped with backward, so its gradient hook
+    must see every parameter), built on a side stream as backward capture needs."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        model = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=chunk)
+    torch.cuda.synchronize()
+    return model
+
+
+def _train_ddp(model, cfg, graphed, steps: int):
+    """`steps` steps of megatron's schedule with its DDP (no_sync over the microbatches, finish_grad_sync at the
+    end); returns per step: losses, every main_grad, every parameter's `grad` after the step (megatron's hook
+    leaves None), its `grad_added_to_main_grad` flag, and the FP8 state."""
+    from megatron.core.distributed import finalize_model_grads
+
+    cfg.no_sync_func, cfg.finalize_model_grads_func = model.no_sync, finalize_model_grads
+    gen = torch.Generator().manual_seed(test_seed())
+    batches = [torch.randint(0, VOCAB, (MBS, SEQ), generator=gen) for _ in range(M)]
+    pos = torch.arange(SEQ, device="cuda").expand(MBS, SEQ)
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(it, chunk):
+        t = next(it).cuda()
+        with fp.autocast(recipe=RECIPE, group=ps.dense_amax_group()):
+            out = chunk(t, pos, None, labels=torch.roll(t, -1, 1))
+        return out, loss_func
+
+    step_func = graphed.forward_step(forward_step) if graphed is not None else forward_step
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen = []
+    for _ in range(steps):
+        model.zero_grad_buffer()
+        out = get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(batches), model=model,
+                                          num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS)
+        state = [t.clone() for m in model.modules() if isinstance(m, FP8Meta) for t in (m.amax_history, m.scale)]
+        seen.append(([d["loss"] for d in out], [p.main_grad.clone() for p in params],
+                     [p.grad for p in params], [p.grad_added_to_main_grad for p in params], state))
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.main_grad.to(p.dtype), alpha=-0.1)
+    return seen
+
+
+def _check_ddp_graphs_add_into_main_grad():
+    """Plain and graphed twins under megatron's DDP, 3 steps of 4 microbatches: losses, main grads and FP8
+    state equal bitwise; megatron's hook ran for every parameter (no `grad` left; its overlapped reduction,
+    which asserts that every parameter reported, finished); the graphed layers' weights went through the
+    main_grad protocol. A main_grad replaced after capture is refused at the next backward."""
+    cfg = _config()
+    plain_model, graphed_model = _build(cfg)[0], _build(cfg)[0]
+    graphed_model.load_state_dict(plain_model.state_dict())
+    plain, graphed_ddp = _ddp_wrapped(plain_model, cfg), _ddp_wrapped(graphed_model, cfg)
+    graphed = graph_megatron_layers([graphed_ddp], cfg, num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS,
+                                    fp8_recipe=RECIPE, num_warmup_iters=2)
+    expected = _train_ddp(plain, cfg, None, STEPS)
+    got = _train_ddp(graphed_ddp, cfg, graphed, STEPS)
+    layer_params = {id(p) for ls in graphed.layers for layer in ls for p in layer.parameters()}
+    names = [n for n, p in graphed_ddp.named_parameters() if p.requires_grad]
+    in_layers = [id(p) in layer_params for p in graphed_ddp.parameters() if p.requires_grad]
+    assert any(in_layers) and not all(in_layers), "the check needs graphed and eager parameters"
+    for step, (a, b) in enumerate(zip(expected, got)):
+        for what, xs, ys in (("loss", a[0], b[0]), ("main_grad", a[1], b[1]), ("fp8 state", a[4], b[4])):
+            assert len(xs) == len(ys) and xs, (what, len(xs), len(ys))
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                assert torch.equal(x, y), f"step {step} {what} {i}: max abs diff {(x.float() - y.float()).abs().max()}"
+        assert all(g is None for g in a[2] + b[2]), "megatron's hook left a .grad"
+        assert not any(a[3]), "the plain model's weights were flagged as added into main_grad"
+        flagged = [n for n, f, graphed_param in zip(names, b[3], in_layers) if f != graphed_param]
+        assert not flagged, f"main_grad protocol flags do not match the graphed layers: {flagged[:4]}"
+        assert all(torch.isfinite(x).all() for x in b[1]) and any(x.abs().sum() > 0 for x in b[1])
+    for calls in graphed.graphed:
+        for call in calls:
+            assert call.replay_count == STEPS * M and call.eager_count == 0, (call.replay_count, call.eager_count)
+    victim = next(p for p in graphed.layers[0][0].parameters() if p.requires_grad)
+    victim.main_grad = victim.main_grad.clone()
+    try:
+        _train_ddp(graphed_ddp, cfg, graphed, 1)
+    except RuntimeError as e:
+        assert "no longer has the `main_grad`" in str(e), str(e)
+    else:
+        raise AssertionError("a main_grad replaced after capture was not refused")
+    graphed.reset()
+
+
 if __name__ == "__main__":
+    if MODE == "ddp":
+        run_checks([("ddp_graphs_add_into_main_grad", _check_ddp_graphs_add_into_main_grad)])
+        ps.destroy()
+        sys.exit(0)
     if MODE == "dropout":
         run_checks([("graph_safe_tracker_dropout_captures", _check_graph_safe_tracker_dropout),
                     ("plain_tracker_refused_before_capture", _check_plain_tracker_refused)])

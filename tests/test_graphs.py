@@ -221,6 +221,31 @@ def test_static_buffers_are_shared_by_microbatches_not_in_flight_together():
             in_flight[c].remove(slot_of[(c, mb)])
 
 
+def test_main_grad_protocol_is_recognised_and_a_moved_buffer_is_told_apart():
+    """Which parameters the backward graphs accumulate into `main_grad` for (megatron DDP's two attributes, a
+    buffer of the parameter's shape), and the replay-time check that the captured buffer is still in place:
+    the same tensor or an equal view pass; a copy, another shape or dtype, or no tensor fail."""
+    from fp8_parallel.graphs.runners import _same_buffer, follows_main_grad_protocol
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    assert not follows_main_grad_protocol(p)
+    p.main_grad = torch.zeros(4, 3)
+    assert not follows_main_grad_protocol(p), "main_grad without DDP's flag"
+    p.grad_added_to_main_grad = False
+    assert follows_main_grad_protocol(p)
+    p.main_grad = torch.zeros(12)
+    assert not follows_main_grad_protocol(p), "a main_grad of another shape"
+
+    buffer = torch.zeros(20)
+    captured = buffer[4:16].view(4, 3)
+    assert _same_buffer(captured, captured)
+    assert _same_buffer(buffer[4:16].view(4, 3), captured), "an equal view of the same memory"
+    assert not _same_buffer(captured.clone(), captured)
+    assert not _same_buffer(buffer[0:12].view(4, 3), captured), "another offset"
+    assert not _same_buffer(buffer[4:16].view(3, 4), captured)
+    assert not _same_buffer(buffer.as_strided((4, 3), (1, 4), 4), captured), "other strides"
+    assert not _same_buffer(None, captured)
+
 # -- TransformerEngine's surface ------------------------------------------------------------------------------
 
 @pytest.fixture

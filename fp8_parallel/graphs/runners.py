@@ -147,7 +147,9 @@ class _GraphRunner(_Runner):
     gradient buffer: the backward graph adds their gradient into the `main_grad` it captured, the addition
     megatron's gradient hook would make, and each replay hands autograd an unused tensor with
     `grad_added_to_main_grad` set (TransformerEngine's fused accumulation protocol), so the hook still runs
-    its bookkeeping but adds nothing. That saves two copies of every weight gradient per microbatch.
+    its bookkeeping but adds nothing. That saves two copies of every weight gradient per microbatch. A module
+    that adds into `main_grad` itself (`fuse_wgrad_accumulation`) does so inside the graph; its parameter is
+    flagged the same way on every replay, which its own backward, run only at capture, cannot do.
     """
 
     def capture_forward(self, static: "_SlotBuffers", pool) -> None:
@@ -170,18 +172,24 @@ class _GraphRunner(_Runner):
         # position in the gradient list -> (parameter, the main_grad the graph adds into)
         self.main_grads = {first_param + j: (p, p.main_grad) for j, p in enumerate(self.params)
                            if p.requires_grad and follows_main_grad_protocol(p)}
+        flags = {k: p.grad_added_to_main_grad for k, (p, _) in self.main_grads.items()}
         self.bwd_graph = torch.cuda.CUDAGraph()
         cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
         try:
             with _capturing(self.bwd_graph, pool, self.options.generators):
+                for p, _ in self.main_grads.values():
+                    p.grad_added_to_main_grad = False
                 try:
                     grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
                 except RuntimeError as err:
                     cause.append(err)
                     raise
+                # a module that adds into main_grad itself (TE's fuse_wgrad_accumulation) set the flag while
+                # its backward was captured: its addition is in the graph, and its returned gradient is unused
+                added_by_module = {k for k, (p, _) in self.main_grads.items() if p.grad_added_to_main_grad}
                 with torch.no_grad():
                     for k, (buf, g) in enumerate(zip(self.static_grads, grads)):
-                        if g is None:
+                        if g is None or k in added_by_module:
                             continue
                         if k in self.main_grads:
                             self.main_grads[k][1].add_(g)
@@ -193,6 +201,9 @@ class _GraphRunner(_Runner):
             if "legacy stream" in str(first):
                 raise RuntimeError(LEGACY_STREAM_HINT) from first
             raise
+        finally:
+            for k, (p, _) in self.main_grads.items():
+                p.grad_added_to_main_grad = flags[k]
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 
     def release(self) -> None:

@@ -457,9 +457,65 @@ def _check_ddp_graphs_add_into_main_grad():
     graphed.reset()
 
 
+class _FusedAccumulation(torch.nn.Module):
+    """Two TransformerEngine-style FP8 linears, one adding its weight gradient into `main_grad` itself
+    (`fuse_wgrad_accumulation=True`), one returning it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = fp.Linear(64, 128, params_dtype=DTYPE, device="cuda", fuse_wgrad_accumulation=True)
+        self.plain = fp.Linear(128, 64, params_dtype=DTYPE, device="cuda")
+
+    def forward(self, x):
+        return self.plain(torch.nn.functional.gelu(self.fused(x)))
+
+
+def _check_ddp_graphs_with_fused_wgrad_accumulation():
+    """Under megatron's DDP, a graphed callable holding a module that adds into main_grad itself: that addition
+    happens once per replay (the graph adds nothing more for it), every parameter is flagged on every replay
+    (megatron's `zero_grad_buffer` clears the flags each step), and main grads match the eager twin bitwise."""
+    cfg = _config()
+    torch.manual_seed(test_seed() % 1000)
+    plain_module = _FusedAccumulation()
+    graphed_module = _FusedAccumulation()
+    graphed_module.load_state_dict(plain_module.state_dict())
+    plain, graphed = _ddp_wrapped(plain_module, cfg), _ddp_wrapped(graphed_module, cfg)
+    sample = torch.randn(32, 64, device="cuda", dtype=DTYPE, requires_grad=True)
+    fp.make_graphed_callables(graphed_module, (sample,), fp8_enabled=True, fp8_recipe=RECIPE, num_warmup_iters=2)
+    gen = torch.Generator().manual_seed(test_seed())
+    xs = [[torch.randn(32, 64, generator=gen).to("cuda", DTYPE) for _ in range(2)] for _ in range(STEPS)]
+    results = []
+    for model in (plain, graphed):
+        seen = []
+        params = [p for p in model.parameters() if p.requires_grad]
+        for step_x in xs:
+            model.zero_grad_buffer()
+            with model.no_sync():
+                outs = []
+                for x in step_x[:-1]:
+                    with fp.autocast(recipe=RECIPE):
+                        outs.append(model(x.clone().requires_grad_()))
+                    outs[-1].float().square().mean().backward()
+            with fp.autocast(recipe=RECIPE):
+                out = model(step_x[-1].clone().requires_grad_())
+            out.float().square().mean().backward()
+            model.finish_grad_sync()
+            assert all(p.grad is None for p in params), "megatron's hook left a .grad"
+            seen += [p.main_grad.clone() for p in params]
+            with torch.no_grad():
+                for p in params:
+                    p.add_(p.main_grad.to(p.dtype), alpha=-0.1)
+        results.append(seen)
+    assert graphed_module.forward.replay_count == 2 * STEPS and graphed_module.forward.eager_count == 0
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0, f"main_grad {i}: not finite or all zero"
+        assert torch.equal(a, b), f"main_grad {i}: max abs diff {(a - b).abs().max()}"
+
+
 if __name__ == "__main__":
     if MODE == "ddp":
-        run_checks([("ddp_graphs_add_into_main_grad", _check_ddp_graphs_add_into_main_grad)])
+        run_checks([("ddp_graphs_add_into_main_grad", _check_ddp_graphs_add_into_main_grad),
+                    ("ddp_graphs_with_fused_wgrad_accumulation", _check_ddp_graphs_with_fused_wgrad_accumulation)])
         ps.destroy()
         sys.exit(0)
     if MODE == "dropout":

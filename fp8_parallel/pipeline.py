@@ -138,6 +138,7 @@ def graph_megatron_layers(
     num_warmup_iters: int = 3,
     extra_sample_kwargs: Optional[dict] = None,
     pool=None,
+    accumulate_into_main_grad: bool = True,
 ) -> GraphedPipeline:
     """Graph the transformer layers of this rank's model chunks for megatron's pipeline schedule.
 
@@ -147,6 +148,9 @@ def graph_megatron_layers(
     step passes one). `fp8_recipe`: the recipe of the FP8 scope the forward step opens around the model
     (None: the layers are captured outside FP8; layers that open their own scope are recorded either way).
     Use the returned object's `forward_step(func)` as megatron's `forward_step_func`.
+
+    Under megatron's DistributedDataParallel the backward graphs add the layers' gradients into `main_grad`
+    (`accumulate_into_main_grad`, see `make_graphed_callables`).
 
     Layers with dropout fork megatron's RNG tracker; capturing them needs its graph-safe states
     (`model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)`), which every graph registers.
@@ -177,6 +181,6 @@ def graph_megatron_layers(
     make_graphed_callables(
         flat, [()] * len(samples), sample_kwargs=samples, num_warmup_iters=num_warmup_iters,
         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe, fp8_weight_caching=fp8_weight_caching,
-        order=order, pool=pool,
+        order=order, pool=pool, accumulate_into_main_grad=accumulate_into_main_grad,
     )
     return GraphedPipeline(chunks, layers, num_microbatches, [[layer.forward for layer in ls] for ls in layers])

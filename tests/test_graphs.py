@@ -223,9 +223,10 @@ def test_static_buffers_are_shared_by_microbatches_not_in_flight_together():
 
 def test_main_grad_protocol_is_recognised_and_a_moved_buffer_is_told_apart():
     """Which parameters the backward graphs accumulate into `main_grad` for (megatron DDP's two attributes, a
-    buffer of the parameter's shape), and the replay-time check that the captured buffer is still in place:
-    the same tensor or an equal view pass; a copy, another shape or dtype, or no tensor fail."""
-    from fp8_parallel.graphs.runners import _same_buffer, follows_main_grad_protocol
+    buffer of the parameter's shape), and the address a replay checks: an equal view passes; a copy, another
+    offset, shape or stride, no tensor, or the same tensor object whose storage was allocated again (as
+    megatron's grad-buffer offload and restore do) fail."""
+    from fp8_parallel.graphs.runners import buffer_address, follows_main_grad_protocol
 
     p = torch.nn.Parameter(torch.randn(4, 3))
     assert not follows_main_grad_protocol(p)
@@ -238,13 +239,17 @@ def test_main_grad_protocol_is_recognised_and_a_moved_buffer_is_told_apart():
 
     buffer = torch.zeros(20)
     captured = buffer[4:16].view(4, 3)
-    assert _same_buffer(captured, captured)
-    assert _same_buffer(buffer[4:16].view(4, 3), captured), "an equal view of the same memory"
-    assert not _same_buffer(captured.clone(), captured)
-    assert not _same_buffer(buffer[0:12].view(4, 3), captured), "another offset"
-    assert not _same_buffer(buffer[4:16].view(3, 4), captured)
-    assert not _same_buffer(buffer.as_strided((4, 3), (1, 4), 4), captured), "other strides"
-    assert not _same_buffer(None, captured)
+    address = buffer_address(captured)
+    assert buffer_address(buffer[4:16].view(4, 3)) == address, "an equal view of the same memory"
+    assert buffer_address(captured.clone()) != address
+    assert buffer_address(buffer[0:12].view(4, 3)) != address, "another offset"
+    assert buffer_address(buffer[4:16].view(3, 4)) != address
+    assert buffer_address(buffer.as_strided((4, 3), (1, 4), 4)) != address, "other strides"
+    assert buffer_address(None) is None
+    storage = buffer.untyped_storage()
+    storage.resize_(2 * storage.nbytes())  # new memory, allocated while the old is still held: another address
+    assert buffer_address(captured) != address, "storage allocated again under the same tensor object"
+
 
 # -- TransformerEngine's surface ------------------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ def make_graphed_callables(
     pre_warmup_hook: Optional[Callable[[], Any]] = None,
     post_warmup_hook: Optional[Callable[[], Any]] = None,
     capture_time_hooks: Optional[list] = None,
+    accumulate_into_main_grad: bool = False,
 ):
     """Capture forward and backward CUDA graphs of `modules` (callables or `nn.Module`s).
 
@@ -127,6 +128,11 @@ def make_graphed_callables(
             (TransformerEngine's False skips that copy and lets them alias).
         pre_warmup_hook, post_warmup_hook: called once (no arguments) before / after all warm-up passes.
         capture_time_hooks: only None (not implemented; refused with NotImplementedError).
+        accumulate_into_main_grad: for parameters under megatron's DistributedDataParallel (a `main_grad` and
+            `grad_added_to_main_grad`), add their gradients into `main_grad` inside the backward graphs, as
+            megatron's gradient hook would, instead of returning them through a copy; the hook still runs
+            (its `grad_added_to_main_grad` is set for it). Not TransformerEngine's; `graph_megatron_layers`
+            turns it on. Needs those parameters to get gradient only from their callable.
 
     Returns:
         Without `_order`: for a module, the module itself with `forward` replaced by a `GraphedCallable`
@@ -197,7 +203,7 @@ def make_graphed_callables(
             device = torch.device("cuda", torch.cuda.current_device()) if graphs else torch.device("cpu")
             flag = torch.zeros(1, dtype=torch.int32, device=device)
         options = RunOptions(fp8_per_callable[i], fp8_recipe if fp8_per_callable[i] else None, flag,
-                             allow_unused_input, retain_graph_in_backward, generators)
+                             allow_unused_input, retain_graph_in_backward, generators, accumulate_into_main_grad)
         runners = []
         for mb in range(layout.microbatches):
             k = layout.sample_index(i, mb)
@@ -295,10 +301,11 @@ def _capture(entries: list, layout: Layout, pool) -> None:
     for i, e in enumerate(entries):
         outs = e.pop("warm_outputs")
         grads = e.pop("warm_grads")
-        first_param = len(e["runners"][0].requires_grad)
-        for j, p in enumerate(e["params"]):  # their backward graphs add into `main_grad` (see _GraphRunner)
-            if p.requires_grad and follows_main_grad_protocol(p):
-                grads[first_param + j] = None
+        runner0 = e["runners"][0]
+        if runner0.options.accumulate_into_main_grad:  # their backward graphs add into `main_grad` (_GraphRunner)
+            for j, p in enumerate(e["params"]):
+                if p.requires_grad and follows_main_grad_protocol(p):
+                    grads[len(runner0.requires_grad) + j] = None
         grad_buffers[i] = _GradBuffers(
             [torch.empty_like(o) if o.requires_grad else None for o in outs],
             [torch.empty_like(g) if g is not None else None for g in grads])

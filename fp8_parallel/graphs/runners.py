@@ -25,6 +25,7 @@ class RunOptions:
     allow_unused_input: bool = False
     retain_graph: bool = False  # keep the autograd graph after the backward (TE's retain_graph_in_backward)
     generators: Tuple[torch.Generator, ...] = ()  # RNG states the graphs register besides torch's default one
+    accumulate_into_main_grad: bool = False  # megatron DDP's parameters: gradients added into main_grad in-graph
 
 
 LEGACY_STREAM_HINT = (
@@ -44,12 +45,20 @@ def follows_main_grad_protocol(param: torch.Tensor) -> bool:
             and hasattr(param, "grad_added_to_main_grad"))
 
 
-def _same_buffer(current: Optional[torch.Tensor], captured: torch.Tensor) -> bool:
-    """Whether `current` is the memory a graph captured as `captured` (the same tensor, or a view equal to it)."""
-    return current is captured or (
-        isinstance(current, torch.Tensor) and current.data_ptr() == captured.data_ptr()
-        and current.dtype == captured.dtype and current.shape == captured.shape
-        and current.stride() == captured.stride())
+def buffer_address(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """Where a graph reads or writes `t`: (address, dtype, shape, strides), or None for no tensor. Taken as
+    numbers, so a buffer freed and allocated again under the same tensor object (megatron's
+    `offload_grad_buffers` / `restore_grad_buffers`) is told apart."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+def _restore_flags(flags: List[Tuple[torch.Tensor, bool]]) -> Callable[[], None]:
+    def restore() -> None:
+        for param, value in flags:
+            param.grad_added_to_main_grad = value
+    return restore
 
 
 def _end_generator_captures(generators: Tuple[torch.Generator, ...]) -> None:
@@ -147,9 +156,10 @@ class _GraphRunner(_Runner):
     gradient buffer: the backward graph adds their gradient into the `main_grad` it captured, the addition
     megatron's gradient hook would make, and each replay hands autograd an unused tensor with
     `grad_added_to_main_grad` set (TransformerEngine's fused accumulation protocol), so the hook still runs
-    its bookkeeping but adds nothing. That saves two copies of every weight gradient per microbatch. A module
-    that adds into `main_grad` itself (`fuse_wgrad_accumulation`) does so inside the graph; its parameter is
-    flagged the same way on every replay, which its own backward, run only at capture, cannot do.
+    its bookkeeping but adds nothing; the flag is put back when that backward ends. That saves two copies of
+    every weight gradient per microbatch (`RunOptions.accumulate_into_main_grad`). A module that adds into
+    `main_grad` itself (`fuse_wgrad_accumulation`) does so inside the graph; its parameter is flagged the same
+    way on every replay, which its own backward, run only at capture, cannot do.
     """
 
     def capture_forward(self, static: "_SlotBuffers", pool) -> None:
@@ -171,7 +181,8 @@ class _GraphRunner(_Runner):
         first_param = len(self.requires_grad)
         # position in the gradient list -> (parameter, the main_grad the graph adds into)
         self.main_grads = {first_param + j: (p, p.main_grad) for j, p in enumerate(self.params)
-                           if p.requires_grad and follows_main_grad_protocol(p)}
+                           if self.options.accumulate_into_main_grad and p.requires_grad
+                           and follows_main_grad_protocol(p)}
         flags = {k: p.grad_added_to_main_grad for k, (p, _) in self.main_grads.items()}
         self.bwd_graph = torch.cuda.CUDAGraph()
         cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
@@ -187,6 +198,9 @@ class _GraphRunner(_Runner):
                 # a module that adds into main_grad itself (TE's fuse_wgrad_accumulation) set the flag while
                 # its backward was captured: its addition is in the graph, and its returned gradient is unused
                 added_by_module = {k for k, (p, _) in self.main_grads.items() if p.grad_added_to_main_grad}
+                # a parameter without a gradient (allowed unused) is returned as None, as eagerly
+                self.main_grads = {k: v for k, v in self.main_grads.items()
+                                   if grads[k] is not None or k in added_by_module}
                 with torch.no_grad():
                     for k, (buf, g) in enumerate(zip(self.static_grads, grads)):
                         if g is None or k in added_by_module:
@@ -202,8 +216,9 @@ class _GraphRunner(_Runner):
                 raise RuntimeError(LEGACY_STREAM_HINT) from first
             raise
         finally:
-            for k, (p, _) in self.main_grads.items():
-                p.grad_added_to_main_grad = flags[k]
+            for k, value in flags.items():
+                self.params[k - first_param].grad_added_to_main_grad = value
+        self.main_grad_addresses = {k: buffer_address(mg) for k, (_, mg) in self.main_grads.items()}
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 
     def release(self) -> None:
@@ -212,7 +227,7 @@ class _GraphRunner(_Runner):
             if graph is not None:
                 graph.reset()
         for name in ("fwd_graph", "bwd_graph", "static_inputs", "static_outputs", "static_grad_outputs",
-                     "static_grads", "recorder", "main_grads"):
+                     "static_grads", "recorder", "main_grads", "main_grad_addresses"):
             self.__dict__.pop(name, None)
 
     def forward(self, inputs: List[torch.Tensor]):
@@ -229,18 +244,24 @@ class _GraphRunner(_Runner):
         if not self.main_grads:
             self.bwd_graph.replay()
             return self.static_grads  # the held tensors themselves: autograd copies them instead of stealing
-        for k, (param, main_grad) in self.main_grads.items():
-            if not _same_buffer(getattr(param, "main_grad", None), main_grad):
+        for k, (param, _) in self.main_grads.items():
+            if buffer_address(getattr(param, "main_grad", None)) != self.main_grad_addresses[k]:
                 raise RuntimeError(
-                    f"graphed backward: parameter {k - len(self.requires_grad)} (shape {tuple(param.shape)}) no "
-                    f"longer has the `main_grad` it had at capture, which the backward graph adds into. Keep "
-                    f"megatron's gradient buffers in place (its `zero_grad_buffer()` does), or capture again")
+                    f"graphed backward: parameter {k - len(self.requires_grad)} (shape {tuple(param.shape)}): its "
+                    f"`main_grad` is not the memory it was at capture, which the backward graph adds into. Keep "
+                    f"megatron's gradient buffers in place (its `zero_grad_buffer()` does; offloaded buffers "
+                    f"come back elsewhere), or capture again")
         self.bwd_graph.replay()
         grads = list(self.static_grads)
+        flags = []
         for k, (param, _) in self.main_grads.items():
+            flags.append((param, param.grad_added_to_main_grad))
             param.grad_added_to_main_grad = True
             # fresh each replay, so autograd takes it without a copy; zeros where the parameter asks for them
             grads[k] = torch.zeros_like(param) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(param)
+        # the flag tells megatron's hook, which runs in this backward, that the gradient is in main_grad; put
+        # back when the backward ends, so a later eager gradient of the parameter is added again
+        torch.autograd.Variable._execution_engine.queue_callback(_restore_flags(flags))
         return grads
 
 

@@ -400,11 +400,11 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
 
     device = args.device
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
-    if layout.parallel:
-        model, cfg = _build_chunks(variant, size, device, _knobs(args), layout)
-    else:
-        model, cfg = _build(variant, size, device, _knobs(args), weights)
     knobs = _knobs(args)
+    if layout.parallel:
+        model, cfg = _build_chunks(variant, size, device, knobs, layout)
+    else:
+        model, cfg = _build(variant, size, device, knobs, weights)
     if knobs.ddp:
         model = _with_ddp(model, cfg, device)
     chunks = model if isinstance(model, list) else [model]
@@ -422,7 +422,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     if variant == "fp8_graphs":
         graphed = pipeline.graph_megatron_layers(
             model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
-            fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=_knobs(args).weight_cache)
+            fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=knobs.weight_cache)
         forward_step = graphed.forward_step(forward_step)
 
     def step() -> float:

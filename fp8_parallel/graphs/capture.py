@@ -16,7 +16,7 @@ from .layout import Layout, expand_samples, layout_of
 from .recording import _fp8_states, _restore_fp8_state, _save_fp8_state
 from .rng import RngSnapshot, TrackerWatch, graph_safe_generators
 from .runners import (RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers,
-                      follows_main_grad_protocol)
+                      main_grad_positions)
 
 
 def _uses_cuda_graphs() -> bool:
@@ -301,11 +301,8 @@ def _capture(entries: list, layout: Layout, pool) -> None:
     for i, e in enumerate(entries):
         outs = e.pop("warm_outputs")
         grads = e.pop("warm_grads")
-        runner0 = e["runners"][0]
-        if runner0.options.accumulate_into_main_grad:  # their backward graphs add into `main_grad` (_GraphRunner)
-            for j, p in enumerate(e["params"]):
-                if p.requires_grad and follows_main_grad_protocol(p):
-                    grads[len(runner0.requires_grad) + j] = None
+        for k in main_grad_positions(e["runners"][0]):  # their backward graphs add into `main_grad`
+            grads[k] = None
         grad_buffers[i] = _GradBuffers(
             [torch.empty_like(o) if o.requires_grad else None for o in outs],
             [torch.empty_like(g) if g is not None else None for g in grads])

@@ -9,6 +9,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..modules._main_grad import placeholder_grad
 from ..recipe import Recipe
 from ..scopes import Recorder, recording_scope
 from .arguments import _flatten_outputs, _Signature
@@ -43,6 +44,16 @@ def follows_main_grad_protocol(param: torch.Tensor) -> bool:
     main_grad = getattr(param, "main_grad", None)
     return (isinstance(main_grad, torch.Tensor) and main_grad.shape == param.shape
             and hasattr(param, "grad_added_to_main_grad"))
+
+
+def main_grad_positions(runner: "_Runner") -> Dict[int, torch.nn.Parameter]:
+    """The runner's parameters whose gradients its backward graph adds into `main_grad`, by position in the
+    gradient list (inputs first, then parameters): with `accumulate_into_main_grad`, the trainable ones under
+    megatron's DDP protocol."""
+    if not runner.options.accumulate_into_main_grad:
+        return {}
+    first = len(runner.requires_grad)
+    return {first + j: p for j, p in enumerate(runner.params) if p.requires_grad and follows_main_grad_protocol(p)}
 
 
 def buffer_address(t: Optional[torch.Tensor]) -> Optional[tuple]:
@@ -178,11 +189,8 @@ class _GraphRunner(_Runner):
     def capture_backward(self, shared: "_GradBuffers", pool) -> None:
         outs = self._outputs_with_graph
         self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
-        first_param = len(self.requires_grad)
         # position in the gradient list -> (parameter, the main_grad the graph adds into)
-        self.main_grads = {first_param + j: (p, p.main_grad) for j, p in enumerate(self.params)
-                           if self.options.accumulate_into_main_grad and p.requires_grad
-                           and follows_main_grad_protocol(p)}
+        self.main_grads = {k: (p, p.main_grad) for k, p in main_grad_positions(self).items()}
         flags = {k: p.grad_added_to_main_grad for k, (p, _) in self.main_grads.items()}
         self.bwd_graph = torch.cuda.CUDAGraph()
         cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
@@ -217,7 +225,7 @@ class _GraphRunner(_Runner):
             raise
         finally:
             for k, value in flags.items():
-                self.params[k - first_param].grad_added_to_main_grad = value
+                self.params[k - len(self.requires_grad)].grad_added_to_main_grad = value
         self.main_grad_addresses = {k: buffer_address(mg) for k, (_, mg) in self.main_grads.items()}
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 
@@ -256,9 +264,7 @@ class _GraphRunner(_Runner):
         flags = []
         for k, (param, _) in self.main_grads.items():
             flags.append((param, param.grad_added_to_main_grad))
-            param.grad_added_to_main_grad = True
-            # fresh each replay, so autograd takes it without a copy; zeros where the parameter asks for them
-            grads[k] = torch.zeros_like(param) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(param)
+            grads[k] = placeholder_grad(param)  # fresh each replay, so autograd takes it without a copy
         # the flag tells megatron's hook, which runs in this backward, that the gradient is in main_grad; put
         # back when the backward ends, so a later eager gradient of the parameter is added again
         torch.autograd.Variable._execution_engine.queue_callback(_restore_flags(flags))

@@ -21,10 +21,17 @@ class _AccumulateIntoMainGrad(torch.autograd.Function):
             return None  # `.grad` stays None, as TransformerEngine leaves it
         # megatron's protocol: the flag tells its DDP hook not to add `.grad` again; TE hands autograd an
         # unused buffer (zeros when the parameter asks for them with `zero_out_wgrad`)
-        weight.grad_added_to_main_grad = True
-        if getattr(weight, "zero_out_wgrad", False):
-            return torch.zeros_like(weight)
-        return torch.empty_like(weight)
+        return placeholder_grad(weight)
+
+
+def placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+    """What autograd gets for a weight whose gradient is already in `main_grad` under megatron's protocol:
+    `grad_added_to_main_grad` set (its DDP hook then adds nothing) and an unused buffer, zeros when the
+    parameter asks for them with `zero_out_wgrad` (TransformerEngine's convention)."""
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
 
 
 def weight_for_gemm(weight: torch.Tensor, fuse_wgrad_accumulation: bool, owner: str, name: str) -> torch.Tensor:

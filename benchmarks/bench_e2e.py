@@ -116,6 +116,7 @@ class Knobs:
     fp8_format: str = "hybrid"  # megatron's `fp8` field: "hybrid" (E5M2 gradients) or "e4m3" (E4M3 throughout)
     ddp: bool = False  # megatron's DDP (fp32 main grads) and optimizer (fp32 master weights), as the training job
     ce_fusion: bool = False  # megatron's cross_entropy_loss_fusion, "native" impl (Megatron-LM: --cross-entropy-loss-fusion)
+    fused_adam: bool = False  # with ddp: megatron's torch Adam switched from foreach to fused kernels
 
 
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
@@ -154,7 +155,8 @@ def _local_to_ours(name: str) -> str:
 
 
 def _knobs(args) -> Knobs:
-    return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format, args.ddp, args.ce_fusion)
+    return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format, args.ddp, args.ce_fusion,
+                 args.fused_adam)
 
 
 def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
@@ -383,13 +385,18 @@ def _with_ddp(model, cfg, device: str):
     return wrapped if isinstance(model, list) else wrapped[0]
 
 
-def _megatron_optimizer(chunks):
+def _megatron_optimizer(chunks, fused: bool):
     """megatron's Adam on fp32 master weights (bf16 parameters), as the training job builds it."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, params_dtype=torch.bfloat16,
                              use_distributed_optimizer=False, adam_beta1=0.9, adam_beta2=0.95)
-    return get_megatron_optimizer(config, chunks)
+    opt = get_megatron_optimizer(config, chunks)
+    if fused:
+        from launch.train.model import use_fused_torch_adam
+
+        use_fused_torch_adam(opt)
+    return opt
 
 
 def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
@@ -408,7 +415,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     if knobs.ddp:
         model = _with_ddp(model, cfg, device)
     chunks = model if isinstance(model, list) else [model]
-    opt = (_megatron_optimizer(chunks) if knobs.ddp
+    opt = (_megatron_optimizer(chunks, knobs.fused_adam) if knobs.ddp
            else torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda"))
     fp8 = variant.startswith("fp8")
 
@@ -486,6 +493,7 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
     by = {r["variant"]: r for r in results}
     case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
             + (" fused-CE" if knobs.ce_fusion else "") + (" DDP" if knobs.ddp else "")
+            + (" fused-Adam" if knobs.fused_adam else "")
             + ("" if knobs.weight_cache else " no-weight-cache"))
     print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
           f"{'rsrv GiB':>9s} {'loss':>8s}")
@@ -559,6 +567,9 @@ def main(argv: List[str]) -> None:
     p.add_argument("--ddp", action="store_true",
                    help="megatron's DistributedDataParallel (fp32 main grads) and its optimizer (fp32 master weights, "
                         "Adam) instead of torch's fused AdamW on the bf16 parameters, as the training job runs")
+    p.add_argument("--fused-adam", action="store_true",
+                   help="with --ddp: megatron's optimizer (torch's Adam when TE and apex are absent) on fused kernels "
+                        "instead of foreach ones")
     p.add_argument("--ce-fusion", action="store_true",
                    help="megatron's fused cross entropy (cross_entropy_loss_fusion, native) for every variant")
     p.add_argument("--no-fusions", dest="fusions", action="store_false",

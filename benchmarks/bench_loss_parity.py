@@ -1,14 +1,15 @@
 """Loss parity of FP8 against BF16 on a ~1B GPT, through the training job (megatron's optimizer with fp32
 master weights, bf16 parameters): the same seed, data and steps twice, FP8 off and FP8 on (hybrid, delayed).
 
-    python bench_loss_parity.py results.jsonl [--steps 300] [--nproc 1]
+    python bench_loss_parity.py results.jsonl [--steps 300] [--nproc 1] [--seeds 1234,1235] [--job-args=--cuda-graph]
 
 The data is the job's generated corpus (a word-level Markov chain, spelled in bytes), generated here with enough
 documents that the run sees each token about once: the job's built-in 2000 documents would be repeated ~10
 times in 300 steps of this size, and the late losses would then measure memorisation.
 
-Records both final losses (mean of the last 10 iterations), their ratio, and the largest one-step loss rise of
-each run (a spike FP8 shows and BF16 does not); writes the loss curves of both runs to loss_parity.png beside
+Records, per seed, both final losses (mean of the last 10 iterations), their ratio, and the largest one-step loss
+rise of each run (a spike FP8 shows and BF16 does not); with several seeds, the spread of each kind's final loss
+(how much of an FP8 / BF16 gap is run-to-run variation). Writes the loss curves of all runs to loss_parity.png beside
 the results when matplotlib is present.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "16",
          "--seq-length", "1024", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-4",
          "--min-lr", "3e-5", "--lr-warmup-iters", "30", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
-         "--bf16", "--log-interval", "50", "--no-progress-bar", "--seed", "1234"]
+         "--bf16", "--log-interval", "50", "--no-progress-bar"]
 
 
 def _port() -> int:
@@ -74,26 +75,40 @@ def main(argv: List[str]) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--documents", type=int, default=24000, help="generated corpus size (documents of ~230 bytes)")
-    p.add_argument("--log-dir", default=None, help="keep both runs' JSON logs here (default: a temporary directory)")
+    p.add_argument("--seeds", default="1234", help="comma-separated seeds; BF16 and FP8 run once per seed")
+    p.add_argument("--job-args", default="", help="more flags for both runs of the job, e.g. '--cuda-graph'")
+    p.add_argument("--log-dir", default=None, help="keep the runs' JSON logs here (default: a temporary directory)")
     args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = {}  # (seed, "BF16" | "FP8") -> losses
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.log_dir or tmp).resolve()
         logs.mkdir(parents=True, exist_ok=True)
         write_corpus(Path(tmp) / "corpus", args.documents)
         data = ["--data-path", str(Path(tmp) / "corpus"), "--data-cache-path", str(Path(tmp) / "cache"),
-                "--split", "100,0,0"]
-        bf16 = run_job(data, args.steps, args.nproc, logs / "bf16.jsonl")
-        fp8 = run_job(data + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], args.steps, args.nproc,
-                      logs / "fp8.jsonl")
-    final_bf16, final_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
+                "--split", "100,0,0", *args.job_args.split()]
+        for seed in seeds:
+            common = data + ["--seed", str(seed)]
+            runs[seed, "BF16"] = run_job(common, args.steps, args.nproc, logs / f"bf16_seed{seed}.jsonl")
+            runs[seed, "FP8"] = run_job(common + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], args.steps,
+                                        args.nproc, logs / f"fp8_seed{seed}.jsonl")
     case = f"~1B GPT, {args.steps} steps, {args.nproc} GPU"
-    record("loss_parity", f"{case} BF16 final loss", "loss", final_bf16)
-    record("loss_parity", f"{case} FP8 final loss", "loss", final_fp8, "BF16 final loss", final_fp8 / final_bf16)
-    record("loss_parity", f"{case} BF16 largest rise", "rel", largest_rise(bf16))
-    record("loss_parity", f"{case} FP8 largest rise", "rel", largest_rise(fp8))
-    print("iteration  bf16     fp8")
-    for i in range(0, len(bf16), max(1, len(bf16) // 15)):
-        print(f"{i + 1:9d}  {bf16[i]:.4f}  {fp8[i]:.4f}")
+    finals = {k: sum(v[-10:]) / 10 for k, v in runs.items()}
+    for seed in seeds:
+        bf16, fp8 = finals[seed, "BF16"], finals[seed, "FP8"]
+        record("loss_parity", f"{case}, seed {seed}, BF16 final loss", "loss", bf16)
+        record("loss_parity", f"{case}, seed {seed}, FP8 final loss", "loss", fp8, "BF16 final loss", fp8 / bf16)
+        for kind in ("BF16", "FP8"):
+            record("loss_parity", f"{case}, seed {seed}, {kind} largest rise", "rel", largest_rise(runs[seed, kind]))
+    if len(seeds) > 1:
+        for kind in ("BF16", "FP8"):
+            values = [finals[s, kind] for s in seeds]
+            print(f"{kind} final loss over {len(seeds)} seeds: min {min(values):.4f} max {max(values):.4f} "
+                  f"mean {sum(values) / len(values):.4f}")
+    first = runs[seeds[0], "BF16"]
+    print("iteration  " + "  ".join(f"{k}/{s:<6d}" for s in seeds for k in ("BF16", "FP8")))
+    for i in range(0, len(first), max(1, len(first) // 15)):
+        print(f"{i + 1:9d}  " + "  ".join(f"{runs[s, k][i]:11.4f}" for s in seeds for k in ("BF16", "FP8")))
     try:
         import matplotlib
 
@@ -101,9 +116,10 @@ def main(argv: List[str]) -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 4))
-        ax.plot(range(1, len(bf16) + 1), bf16, label="BF16")
-        ax.plot(range(1, len(fp8) + 1), fp8, label="FP8 hybrid, delayed")
-        ax.set_xlabel("iteration"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend()
+        for (seed, kind), losses in runs.items():
+            ax.plot(range(1, len(losses) + 1), losses, color="C0" if kind == "BF16" else "C1", linewidth=1,
+                    label=f"{'BF16' if kind == 'BF16' else 'FP8 hybrid, delayed'}, seed {seed}")
+        ax.set_xlabel("iteration"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend(fontsize=7)
         png = Path(os.path.abspath(args.out)).with_name("loss_parity.png")
         fig.savefig(png, dpi=100)
         print(f"plot: {png}")

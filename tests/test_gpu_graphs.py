@@ -28,9 +28,11 @@ def test_pp2_schedule_replays_graphs_on_both_ranks(vpp):
 def test_graphs_under_megatron_ddp_add_weight_gradients_into_main_grad():
     """Graphed layers under megatron's DDP (overlapped reduction) add weight gradients into `main_grad` in the
     backward graph and match the plain model bitwise; a main_grad replaced after capture is refused; a module
-    that adds into main_grad itself (`fuse_wgrad_accumulation`) is not added again."""
+    that adds into main_grad itself (`fuse_wgrad_accumulation`) is not added again. bf16, fp16 and fp32
+    parameters."""
     launch("graph_checks.py", 1, ["ddp"], timeout=400, gpus=True, expect_checks=[
-        "ddp_graphs_add_into_main_grad", "ddp_graphs_with_fused_wgrad_accumulation"])
+        f"{check}_{dtype}" for check in ("ddp_graphs_add_into_main_grad", "ddp_graphs_with_fused_wgrad_accumulation")
+        for dtype in ("bf16", "fp16", "fp32")])
 
 
 # -- megatron layers that fork the RNG tracker (dropout) -----------------------------------------------------

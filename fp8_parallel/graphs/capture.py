@@ -132,7 +132,9 @@ def make_graphed_callables(
             `grad_added_to_main_grad`), add their gradients into `main_grad` inside the backward graphs, as
             megatron's gradient hook would, instead of returning them through a copy; the hook still runs
             (its `grad_added_to_main_grad` is set for it). Not TransformerEngine's; `graph_megatron_layers`
-            turns it on. Needs those parameters to get gradient only from their callable.
+            turns it on. Needs those parameters to get gradient only from their callable. Either way, a
+            module inside that adds into `main_grad` itself (`fuse_wgrad_accumulation`) keeps megatron's
+            protocol on every replay: the addition is in the graph and the flag is set for the hook.
 
     Returns:
         Without `_order`: for a module, the module itself with `forward` replaced by a `GraphedCallable`

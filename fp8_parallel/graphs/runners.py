@@ -46,14 +46,18 @@ def follows_main_grad_protocol(param: torch.Tensor) -> bool:
             and hasattr(param, "grad_added_to_main_grad"))
 
 
-def main_grad_positions(runner: "_Runner") -> Dict[int, torch.nn.Parameter]:
-    """The runner's parameters whose gradients its backward graph adds into `main_grad`, by position in the
-    gradient list (inputs first, then parameters): with `accumulate_into_main_grad`, the trainable ones under
-    megatron's DDP protocol."""
-    if not runner.options.accumulate_into_main_grad:
-        return {}
+def protocol_positions(runner: "_Runner") -> Dict[int, torch.nn.Parameter]:
+    """The runner's trainable parameters under megatron's DDP protocol, by position in the gradient list
+    (inputs first, then parameters)."""
     first = len(runner.requires_grad)
     return {first + j: p for j, p in enumerate(runner.params) if p.requires_grad and follows_main_grad_protocol(p)}
+
+
+def main_grad_positions(runner: "_Runner") -> Dict[int, torch.nn.Parameter]:
+    """The runner's parameters whose gradients its backward graph adds into `main_grad` (for a module that does
+    not add them itself), by position in the gradient list: with `accumulate_into_main_grad`, all of
+    `protocol_positions`; none otherwise."""
+    return protocol_positions(runner) if runner.options.accumulate_into_main_grad else {}
 
 
 def buffer_address(t: Optional[torch.Tensor]) -> Optional[tuple]:
@@ -170,7 +174,7 @@ class _GraphRunner(_Runner):
     its bookkeeping but adds nothing; the flag is put back when that backward ends. That saves two copies of
     every weight gradient per microbatch (`RunOptions.accumulate_into_main_grad`). A module that adds into
     `main_grad` itself (`fuse_wgrad_accumulation`) does so inside the graph; its parameter is flagged the same
-    way on every replay, which its own backward, run only at capture, cannot do.
+    way on every replay, with or without that option, which its own backward, run only at capture, cannot do.
     """
 
     def capture_forward(self, static: "_SlotBuffers", pool) -> None:
@@ -189,14 +193,14 @@ class _GraphRunner(_Runner):
     def capture_backward(self, shared: "_GradBuffers", pool) -> None:
         outs = self._outputs_with_graph
         self.static_grad_outputs, self.static_grads = shared.grad_outputs, shared.grads
-        # position in the gradient list -> (parameter, the main_grad the graph adds into)
-        self.main_grads = {k: (p, p.main_grad) for k, p in main_grad_positions(self).items()}
-        flags = {k: p.grad_added_to_main_grad for k, (p, _) in self.main_grads.items()}
+        protocol = protocol_positions(self)
+        in_graph = main_grad_positions(self)  # the graph adds their gradients into main_grad
+        flags = {k: p.grad_added_to_main_grad for k, p in protocol.items()}
         self.bwd_graph = torch.cuda.CUDAGraph()
         cause: List[BaseException] = []  # the capture's own error; ending the failed capture raises another
         try:
             with _capturing(self.bwd_graph, pool, self.options.generators):
-                for p, _ in self.main_grads.values():
+                for p in protocol.values():
                     p.grad_added_to_main_grad = False
                 try:
                     grads = self._grads(outs, self.static_inputs, self.static_grad_outputs)
@@ -204,11 +208,14 @@ class _GraphRunner(_Runner):
                     cause.append(err)
                     raise
                 # a module that adds into main_grad itself (TE's fuse_wgrad_accumulation) set the flag while
-                # its backward was captured: its addition is in the graph, and its returned gradient is unused
-                added_by_module = {k for k, (p, _) in self.main_grads.items() if p.grad_added_to_main_grad}
-                # a parameter without a gradient (allowed unused) is returned as None, as eagerly
-                self.main_grads = {k: v for k, v in self.main_grads.items()
-                                   if grads[k] is not None or k in added_by_module}
+                # its backward was captured: its addition is in the graph and its returned gradient is unused.
+                # Replays must set the flag for it, with or without `accumulate_into_main_grad`: its Python
+                # backward, which sets it eagerly, runs only at capture
+                added_by_module = {k for k, p in protocol.items() if p.grad_added_to_main_grad}
+                # position in the gradient list -> (parameter, the main_grad the graph adds into); a parameter
+                # without a gradient (allowed unused) is returned as None, as eagerly
+                self.main_grads = {k: (p, p.main_grad) for k, p in protocol.items()
+                                   if k in added_by_module or (k in in_graph and grads[k] is not None)}
                 with torch.no_grad():
                     for k, (buf, g) in enumerate(zip(self.static_grads, grads)):
                         if g is None or k in added_by_module:
@@ -225,7 +232,7 @@ class _GraphRunner(_Runner):
             raise
         finally:
             for k, value in flags.items():
-                self.params[k - len(self.requires_grad)].grad_added_to_main_grad = value
+                protocol[k].grad_added_to_main_grad = value
         self.main_grad_addresses = {k: buffer_address(mg) for k, (_, mg) in self.main_grads.items()}
         del self._outputs_with_graph  # releases the captured autograd graph (its memory returns to the pool)
 

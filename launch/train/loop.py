@@ -78,7 +78,7 @@ def _train(args: RunArgs) -> int:
 
     from .data import StepBatches, build_train_dataset
     from .metrics import RunLog, StepTimer, fp8_health, gather_layer_state, logging_rank
-    from .model import build_model, build_optimizer, fp8_settings, transformer_config
+    from .model import build_model, build_optimizer, fp8_settings, transformer_config, use_fused_torch_adam
     from .step import TrainStep
     from .tokenizer import build_tokenizer
 
@@ -99,6 +99,8 @@ def _train(args: RunArgs) -> int:
     batches = StepBatches(dataset, args.micro_batch_size, args.global_batch_size,
                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
     pos = _load(args, model, optimizer, scheduler, say)
+    if torch.cuda.is_available() and use_fused_torch_adam(optimizer):  # again: a loaded checkpoint's
+        say("optimizer: torch's fused Adam kernels (megatron fell back to torch's Adam)")  # groups carry theirs
 
     wrap = graphed = None
     if args.cuda_graph:

@@ -160,6 +160,24 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> List[torch.
                 for i, chunk in enumerate(chunks)]
 
 
+def use_fused_torch_adam(optimizer) -> int:
+    """Switch megatron's optimizer to torch's fused Adam kernels where it fell back to torch's Adam (no
+    TransformerEngine or apex): one kernel per parameter group instead of foreach ones, whose temporaries
+    are as large as the parameters. Idempotent; call it again after loading a checkpoint (its parameter
+    groups carry the setting). Returns the number of groups switched."""
+    switched = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in torch_opt.param_groups:
+            if not all(p.is_floating_point() for p in group["params"]):
+                continue
+            group["foreach"], group["fused"] = False, True
+            switched += 1
+    return switched
+
+
 def build_optimizer(args, model: List[torch.nn.Module]) -> Tuple[object, OptimizerParamScheduler]:
     """megatron's distributed Adam (fp32 master weights and moments, grad clipping) and its LR schedule."""
     opt_config = OptimizerConfig(
@@ -168,6 +186,8 @@ def build_optimizer(args, model: List[torch.nn.Module]) -> Tuple[object, Optimiz
         clip_grad=args.clip_grad, use_distributed_optimizer=True, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
+    if torch.cuda.is_available():
+        use_fused_torch_adam(optimizer)
     warmup = min(args.lr_warmup_iters, max(args.train_iters - 1, 0))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else args.lr, max_lr=args.lr, min_lr=args.min_lr,

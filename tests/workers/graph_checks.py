@@ -11,6 +11,7 @@ CUDA graphs.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -47,13 +48,14 @@ RECIPE = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
 DTYPE = torch.bfloat16 if GPU else torch.float32
 
 
-def _config() -> TransformerConfig:
+def _config(dtype: torch.dtype = DTYPE) -> TransformerConfig:
     chunks = VPP or 1
     return TransformerConfig(
         num_layers=PP * chunks * LAYERS_PER_CHUNK, hidden_size=64, num_attention_heads=4,
         use_cpu_initialization=True, tensor_model_parallel_size=TP, sequence_parallel=TP > 1,
         pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=VPP,
-        pipeline_dtype=DTYPE, params_dtype=DTYPE, bf16=GPU, hidden_dropout=0.0, attention_dropout=0.0,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=GPU and dtype == torch.bfloat16,
+        fp16=GPU and dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
         overlap_p2p_comm=VPP is not None, batch_p2p_comm=VPP is None,
     )
 
@@ -70,10 +72,12 @@ def _build(cfg):
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage), **stage,
         )
-        if GPU:  # as megatron trains in bf16: inputs cast to bf16 on the first stage, loss back to fp32
-            from megatron.core.transformer.module import Float16Module
+        if GPU and (cfg.bf16 or cfg.fp16):  # as megatron trains in 16 bits: inputs cast on the first stage,
+            from megatron.core.transformer.module import Float16Module  # the loss back to fp32
 
             chunk = Float16Module(cfg, chunk.cuda())
+        elif GPU:
+            chunk = chunk.cuda()
         chunks.append(chunk)
     return chunks
 
@@ -417,12 +421,12 @@ def _train_ddp(model, cfg, graphed, steps: int):
     return seen
 
 
-def _check_ddp_graphs_add_into_main_grad():
-    """Plain and graphed twins under megatron's DDP, 3 steps of 4 microbatches: losses, main grads and FP8
+def _check_ddp_graphs_add_into_main_grad(dtype: torch.dtype):
+    """Plain and graphed twins under megatron's DDP with `dtype` parameters, 3 steps of 4 microbatches: losses, main grads and FP8
     state equal bitwise; megatron's hook ran for every parameter (no `grad` left; its overlapped reduction,
     which asserts that every parameter reported, finished); the graphed layers' weights went through the
     main_grad protocol. A main_grad replaced after capture is refused at the next backward."""
-    cfg = _config()
+    cfg = _config(dtype)
     plain_model, graphed_model = _build(cfg)[0], _build(cfg)[0]
     graphed_model.load_state_dict(plain_model.state_dict())
     plain, graphed_ddp = _ddp_wrapped(plain_model, cfg), _ddp_wrapped(graphed_model, cfg)
@@ -464,10 +468,10 @@ class _FusedAccumulation(torch.nn.Module):
     """Two TransformerEngine-style FP8 linears, one adding its weight gradient into `main_grad` itself
     (`fuse_wgrad_accumulation=True`), one returning it."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype):
         super().__init__()
-        self.fused = fp.Linear(64, 128, params_dtype=DTYPE, device="cuda", fuse_wgrad_accumulation=True)
-        self.plain = fp.Linear(128, 64, params_dtype=DTYPE, device="cuda")
+        self.fused = fp.Linear(64, 128, params_dtype=dtype, device="cuda", fuse_wgrad_accumulation=True)
+        self.plain = fp.Linear(128, 64, params_dtype=dtype, device="cuda")
 
     def forward(self, x):
         return self.plain(torch.nn.functional.gelu(self.fused(x)))
@@ -476,22 +480,22 @@ class _FusedAccumulation(torch.nn.Module):
 OTHER_RECIPE = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="max", margin=1)
 
 
-def _check_ddp_graphs_with_fused_wgrad_accumulation():
-    """Under megatron's DDP, a graphed callable holding a module that adds into main_grad itself: that addition
+def _check_ddp_graphs_with_fused_wgrad_accumulation(dtype: torch.dtype):
+    """Under megatron's DDP with `dtype` parameters, a graphed callable holding a module that adds into main_grad itself: that addition
     happens once per replay (the graph adds nothing more for it), and every parameter is flagged for megatron's
     hook on every replay (its `zero_grad_buffer` clears the flags each step). Each step's second microbatch
     runs under another recipe, so the graphed callable runs it eagerly: its gradients, after a replay in the
     same step, must be added by the hook. Main grads match the eager twin bitwise."""
-    cfg = _config()
+    cfg = _config(dtype)
     torch.manual_seed(test_seed() % 1000)
-    plain_module = _FusedAccumulation()
-    graphed_module = _FusedAccumulation()
+    plain_module = _FusedAccumulation(dtype)
+    graphed_module = _FusedAccumulation(dtype)
     graphed_module.load_state_dict(plain_module.state_dict())
     plain, graphed = _ddp_wrapped(plain_module, cfg), _ddp_wrapped(graphed_module, cfg)
-    sample = torch.randn(32, 64, device="cuda", dtype=DTYPE, requires_grad=True)
+    sample = torch.randn(32, 64, device="cuda", dtype=dtype, requires_grad=True)
     fp.make_graphed_callables(graphed_module, (sample,), fp8_enabled=True, fp8_recipe=RECIPE, num_warmup_iters=2)
     gen = torch.Generator().manual_seed(test_seed())
-    xs = [[torch.randn(32, 64, generator=gen).to("cuda", DTYPE) for _ in range(2)] for _ in range(STEPS)]
+    xs = [[torch.randn(32, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(STEPS)]
     results = []
     for model in (plain, graphed):
         seen = []
@@ -522,8 +526,11 @@ def _check_ddp_graphs_with_fused_wgrad_accumulation():
 
 if __name__ == "__main__":
     if MODE == "ddp":
-        run_checks([("ddp_graphs_add_into_main_grad", _check_ddp_graphs_add_into_main_grad),
-                    ("ddp_graphs_with_fused_wgrad_accumulation", _check_ddp_graphs_with_fused_wgrad_accumulation)])
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        run_checks([(f"ddp_graphs_add_into_main_grad_{n}", functools.partial(_check_ddp_graphs_add_into_main_grad, d))
+                    for n, d in dtypes.items()]
+                   + [(f"ddp_graphs_with_fused_wgrad_accumulation_{n}",
+                       functools.partial(_check_ddp_graphs_with_fused_wgrad_accumulation, d)) for n, d in dtypes.items()])
         ps.destroy()
         sys.exit(0)
     if MODE == "dropout":

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import os
 import statistics
 import sys
 import time
@@ -494,6 +495,8 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
     case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
             + (" fused-CE" if knobs.ce_fusion else "") + (" DDP" if knobs.ddp else "")
             + (" fused-Adam" if knobs.fused_adam else "")
+            + (" expandable-segments" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+               else "")
             + ("" if knobs.weight_cache else " no-weight-cache"))
     print(f"\n{'variant':26s} {'wall ms':>9s} {'busy ms':>9s} {'tok/s':>9s} {'TFLOP/s':>8s} {'alloc GiB':>9s} "
           f"{'rsrv GiB':>9s} {'loss':>8s}")

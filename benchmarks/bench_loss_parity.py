@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dump, record  # noqa: E402
@@ -69,6 +69,28 @@ def largest_rise(losses: List[float]) -> float:
     return max((b - a) / a for a, b in zip(losses[start - 1:], losses[start:]))
 
 
+def plot_runs(runs: Dict[Tuple[int, str], List[float]], png: Path) -> None:
+    """The loss curves of `runs` ((seed, "BF16" | "FP8") -> losses): a colour per kind, a line style per seed;
+    no plot without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    seeds = sorted({seed for seed, _ in runs})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for (seed, kind), losses in sorted(runs.items()):
+        ax.plot(range(1, len(losses) + 1), losses, color="C0" if kind == "BF16" else "C1", linewidth=1,
+                linestyle=("-", "--", ":", "-.")[seeds.index(seed) % 4],
+                label=f"{'BF16' if kind == 'BF16' else 'FP8 hybrid, delayed'}, seed {seed}")
+    ax.set_xlabel("iteration"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend(fontsize=7)
+    fig.savefig(png, dpi=100)
+    print(f"plot: {png}")
+
+
 def main(argv: List[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", nargs="?", default="bench_results.jsonl")
@@ -109,22 +131,7 @@ def main(argv: List[str]) -> None:
     print("iteration  " + "  ".join(f"{k}/{s:<6d}" for s in seeds for k in ("BF16", "FP8")))
     for i in range(0, len(first), max(1, len(first) // 15)):
         print(f"{i + 1:9d}  " + "  ".join(f"{runs[s, k][i]:11.4f}" for s in seeds for k in ("BF16", "FP8")))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for (seed, kind), losses in runs.items():
-            ax.plot(range(1, len(losses) + 1), losses, color="C0" if kind == "BF16" else "C1", linewidth=1,
-                    label=f"{'BF16' if kind == 'BF16' else 'FP8 hybrid, delayed'}, seed {seed}")
-        ax.set_xlabel("iteration"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend(fontsize=7)
-        png = Path(os.path.abspath(args.out)).with_name("loss_parity.png")
-        fig.savefig(png, dpi=100)
-        print(f"plot: {png}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plot_runs(runs, Path(os.path.abspath(args.out)).with_name("loss_parity.png"))
     dump(args.out)
 
 

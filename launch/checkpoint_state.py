@@ -244,7 +244,7 @@ def restore_rng(blob: bytes) -> None:
         t = torch.tensor(values, dtype=torch.uint8)
         old = current.get(name)
         if old is not None and not isinstance(old, torch.Tensor):  # a generator object (graph-safe tracker)
-            old.set_state(t.to(old.device) if hasattr(old, "device") else t)
+            old.set_state(t)  # a generator's state is a CPU byte tensor, also for a CUDA generator
             states[name] = old
         else:
             states[name] = t.to(old.device) if isinstance(old, torch.Tensor) else t

@@ -50,8 +50,8 @@ setup(
     packages=find_packages(include=["fp8_parallel", "fp8_parallel.*", "parallel_state", "parallel_state.*"]),
     package_data={"fp8_parallel": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
     python_requires=">=3.10",
-    # torch is deliberately unpinned: a GPU user keeps the torch they have. On a fresh CPU machine the
-    # README's commands install the CPU build first, so nothing here pulls a CUDA build.
+    # torch is deliberately unpinned: a GPU user keeps the torch they have, and a machine without torch gets
+    # the one the README's commands install first (the build its package index serves).
     install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging", "psutil", "tqdm", "matplotlib", "tensorboard"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "torchao>=0.14", "ninja"],

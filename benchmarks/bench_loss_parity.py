@@ -114,7 +114,7 @@ def main(argv: List[str]) -> None:
             runs[seed, "BF16"] = run_job(common, args.steps, args.nproc, logs / f"bf16_seed{seed}.jsonl")
             runs[seed, "FP8"] = run_job(common + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], args.steps,
                                         args.nproc, logs / f"fp8_seed{seed}.jsonl")
-    case = f"~1B GPT, {args.steps} steps, {args.nproc} GPU"
+    case = f"~1B GPT, {args.steps} steps, {args.nproc} GPU" + (f", {args.job_args}" if args.job_args else "")
     finals = {k: sum(v[-10:]) / 10 for k, v in runs.items()}
     for seed in seeds:
         bf16, fp8 = finals[seed, "BF16"], finals[seed, "FP8"]

@@ -33,8 +33,10 @@ __all__ = [
 ]
 
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
-""""max" (max over the history), "most_recent" (the newest amax), or a callable mapping a
-`[num_tensors, history_len]` history (newest in column 0) to `[num_tensors]` amaxes."""
+""""max" (max over the history), "most_recent" (the newest amax), or a callable mapping the history in
+TransformerEngine's layout, `[history_len, num_tensors]` with the newest amaxes in row 0, to `[num_tensors]`
+amaxes (e.g. `lambda h: h.max(dim=0).values`). The modules store the history transposed (`amax_history` is
+`[num_tensors, history_len]`, newest in column 0)."""
 
 _ALGOS = ("max", "most_recent")
 
@@ -210,7 +212,9 @@ class DelayedScaling(Recipe):
         margin: extra power-of-two headroom (a non-negative integer).
         fp8_format: E4M3 or HYBRID.
         amax_history_len: how many past amaxes each tensor keeps.
-        amax_compute_algo: "max", "most_recent", or a callable (see `AmaxComputeAlgo`). Part of the
+        amax_compute_algo: "max", "most_recent", or a callable taking the history in TransformerEngine's
+            layout, `[history_len, num_tensors]` with the newest amaxes in row 0, and returning `[num_tensors]`
+            amaxes (e.g. `lambda h: h.max(dim=0).values`; another shape is an error naming it). Part of the
             recipe's identity: two recipes that differ only here are different autocast scope keys.
         scaling_factor_compute_algo: only None (the rule above); a custom scale rule is refused.
         reduce_amax: all-reduce (MAX) amaxes over the scope's group before updating.

@@ -34,12 +34,24 @@ def current_scale(amax: torch.Tensor, fp8_max: float, eps: float) -> torch.Tenso
 
 
 def amax_from_history(history: torch.Tensor, algo: AmaxComputeAlgo) -> torch.Tensor:
-    """Reduce a `[n, history_len]` history (newest in column 0) to `[n]` amaxes."""
+    """Reduce a `[n, history_len]` history (newest in column 0) to `[n]` amaxes. A callable `algo` gets the
+    history in TransformerEngine's layout, `[history_len, n]` with the newest amaxes in row 0, and returns `[n]`.
+
+    Raises:
+        ValueError: a callable returned another shape.
+    """
     if algo == "max":
         return history.amax(dim=1)
     if algo == "most_recent":
         return history[:, 0].clone()
-    return algo(history)
+    amax = algo(history.t())
+    if not isinstance(amax, torch.Tensor) or tuple(amax.shape) != (history.shape[0],):
+        got = tuple(amax.shape) if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(
+            f"amax_compute_algo {getattr(algo, '__name__', algo)!r}: given the amax history as "
+            f"[history_len, num_tensors] = {list(history.t().shape)} (TransformerEngine's layout, newest amaxes "
+            f"in row 0), it must return one amax per tensor, shape [{history.shape[0]}]; got {got}")
+    return amax
 
 
 def update_history_and_scale(

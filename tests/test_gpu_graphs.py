@@ -31,8 +31,9 @@ def test_graphs_under_megatron_ddp_add_weight_gradients_into_main_grad():
     that adds into main_grad itself (`fuse_wgrad_accumulation`) is not added again. bf16, fp16 and fp32
     parameters."""
     launch("graph_checks.py", 1, ["ddp"], timeout=400, gpus=True, expect_checks=[
-        f"{check}_{dtype}" for check in ("ddp_graphs_add_into_main_grad", "ddp_graphs_with_fused_wgrad_accumulation")
-        for dtype in ("bf16", "fp16", "fp32")])
+        f"{check}_{dtype}{suffix}" for check, suffixes in (("ddp_graphs_add_into_main_grad", ("",)),
+                                                           ("ddp_graphs_with_fused_wgrad_accumulation", ("", "_in_graph")))
+        for dtype in ("bf16", "fp16", "fp32") for suffix in suffixes])
 
 
 # -- megatron layers that fork the RNG tracker (dropout) -----------------------------------------------------

@@ -76,6 +76,42 @@ def test_flags_parsed_with_megatron_names():
     assert "--cuda-graph" in embedded_default_argv(4, gpu=True)
 
 
+def test_fused_torch_adam_switch_matches_foreach_and_resets():
+    """The job's switch of megatron's torch-Adam fallback to fused kernels: the groups of every inner
+    optimizer of a chained one are switched, steps continue from the state foreach kernels left (step counts
+    moved to the parameter's device), the updates match the foreach twin's, and `fused=False` puts torch's
+    own choice back. (On the CPU: torch has fused CPU kernels; the GPU case runs in the GPU job tests.)"""
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from launch.train.model import use_fused_torch_adam
+
+    seed = 7
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2)
+    ref = torch.optim.AdamW([{"params": twins[:1]}, {"params": twins[1:], "weight_decay": 0.0}], lr=1e-2)
+    chained = types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=opt),
+                                                        types.SimpleNamespace(optimizer=None)])
+    for step in range(4):
+        if step == 2:  # after two foreach steps, as after loading a checkpoint saved without the switch
+            assert use_fused_torch_adam(chained) == 2
+            assert all(g["fused"] is True and g["foreach"] is False for g in opt.param_groups)
+        grads = [torch.randn_like(p) for p in params]
+        for o, ps in ((opt, params), (ref, twins)):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            o.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert use_fused_torch_adam(chained, fused=False) == 0
+    assert all(g["fused"] is None and g["foreach"] is None for g in opt.param_groups)
+
+
 @pytest.mark.parametrize("argv, world, needle", [
     (["--tensor-model-parallel-size", "3"], 4, "tensor x pipeline x context parallel = 3 x 1 x 1"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--num-layers=3"),

@@ -101,3 +101,65 @@ def test_scale_views_follow_the_scale_buffer():
     meta.to(torch.float64)  # FP8 state keeps float32 (see FP8Meta._apply), in a new buffer
     meta.scale.fill_(19.0)
     assert meta.scale_of(0).item() == 19.0 and meta.scale_of(0).dtype == torch.float32
+
+
+def test_inference_before_any_scale_warns_once_and_trained_or_loaded_scales_do_not():
+    """Delayed scaling under no_grad updates no scale (as in TransformerEngine): on a state that never had
+    one, the casts use scale 1, so its first such call warns, once; a state that ran a training forward, or
+    was loaded from a state dict, or current scaling, does not warn."""
+    import warnings
+
+    seed = 21
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    x = torch.randn(16, 64) * 1e3  # far from scale 1's range: the unscaled result is badly off
+
+    def fp8_warnings(fn):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        return [str(w.message) for w in caught if str(w.message).startswith("fp8_parallel:")]
+
+    def infer(lin, recipe, calls=1):
+        def run():
+            for _ in range(calls):
+                with torch.no_grad(), fp.autocast(recipe=recipe):
+                    lin(x)
+        return run
+
+    fresh = Linear(64, 32, device="cpu")
+    said = fp8_warnings(infer(fresh, fp.DelayedScaling(), calls=3))
+    assert len(said) == 1 and "Linear(64,32)" in said[0] and "scale 1" in said[0], said
+    assert torch.equal(fresh.fp8.fwd.scale, torch.ones(2)), "an inference call updated the scale"
+
+    trained = Linear(64, 32, device="cpu")
+    with fp.autocast(recipe=fp.DelayedScaling()):
+        trained(x).sum().backward()
+    assert not fp8_warnings(infer(trained, fp.DelayedScaling()))
+    loaded = Linear(64, 32, device="cpu")
+    loaded.load_state_dict(trained.state_dict())
+    assert not fp8_warnings(infer(loaded, fp.DelayedScaling()))
+    assert not fp8_warnings(infer(Linear(64, 32, device="cpu"), fp.CurrentScaling()))
+
+
+def test_callable_amax_compute_algo_gets_transformer_engines_layout():
+    """A callable `amax_compute_algo` sees `[history_len, num_tensors]` (newest in row 0), as in
+    TransformerEngine: its max over dim 0 equals "max"; one returning another shape is refused by name."""
+    seed = 5
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    xs = [torch.randn(8, 32) * (1 + i) for i in range(3)]
+    lins = [Linear(32, 16, device="cpu") for _ in range(2)]
+    lins[1].load_state_dict(lins[0].state_dict())
+    for lin, algo in zip(lins, ("max", lambda h: h.max(dim=0).values)):
+        for x in xs:
+            with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4, amax_compute_algo=algo)):
+                lin(x).sum().backward()
+    assert (lins[0].fp8.fwd.scale != 1).all()
+    for a, b in zip(lins[0].fp8.state_dict().values(), lins[1].fp8.state_dict().values()):
+        if a.is_floating_point():
+            assert torch.equal(a, b)
+    bad = Linear(32, 16, device="cpu")
+    with pytest.raises(ValueError, match=r"history_len, num_tensors\] = \[4, 2\].*shape \[2\]; got \(4,\)"):
+        with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h.max(dim=1).values)):
+            bad(xs[0])

@@ -231,6 +231,33 @@ def test_norms_under_torch_autocast_output_the_autocast_dtype(kind):
     assert torch.equal(y, ref)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_linear_modules_under_torch_autocast_compute_and_output_the_autocast_dtype(kind, fp8):
+    # TransformerEngine's activation dtype: inside torch.autocast a module's input is cast to the autocast
+    # dtype, with or without FP8 (FP8 on, the output used to stay float32); float32 parameters get float32
+    # gradients; the result is the module's own on the input cast to that dtype, within FP8's tolerance of
+    # a float64 reference when FP8 is on
+    seed = _seed(f"{kind}/torch.autocast/fp8={fp8}")
+    torch.manual_seed(seed)
+    module = {"Linear": lambda: te.Linear(64, 48, device="cpu"),
+              "LayerNormLinear": lambda: te.LayerNormLinear(64, 48, device="cpu"),
+              "LayerNormMLP": lambda: te.LayerNormMLP(64, 96, device="cpu"),
+              "GroupedLinear": lambda: te.GroupedLinear(2, 64, 48, device="cpu")}[kind]()
+    call = (lambda t: module(t, [8, 12])) if kind == "GroupedLinear" else module
+    x = torch.randn(20, 64, requires_grad=True)
+    fp8_scope = (lambda: te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling())) if fp8 else contextlib.nullcontext
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp8_scope():
+        y = call(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in module.parameters())
+    with fp8_scope():
+        same = call(x.detach().to(torch.bfloat16))  # outside torch.autocast, on the bf16 input
+    assert same.dtype == torch.bfloat16
+    assert _rel(y.detach(), same.detach()) < 0.05, _rel(y.detach(), same.detach())
+
+
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norms_low_precision_within_one_rounding_of_float64(kind, dtype):

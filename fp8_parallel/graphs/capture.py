@@ -16,7 +16,7 @@ from .layout import Layout, expand_samples, layout_of
 from .recording import _fp8_states, _restore_fp8_state, _save_fp8_state
 from .rng import RngSnapshot, TrackerWatch, graph_safe_generators
 from .runners import (RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers,
-                      main_grad_positions)
+                      main_grad_positions, protocol_positions)
 
 
 def _uses_cuda_graphs() -> bool:
@@ -238,6 +238,7 @@ def make_graphed_callables(
     for e in entries:
         e.pop("warm_outputs", None)
         e.pop("warm_grads", None)
+        e.pop("added_by_module", None)
         for r in e["runners"]:
             del r.sample
 
@@ -269,26 +270,38 @@ def make_graphed_callables(
 def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Tensor]]:
     """Eager forward/backward passes (microbatch 0's samples) under recording scopes; returns the weights each
     callable casts under its weight-caching flag, and stores in each entry the outputs and gradients of its
-    last pass (their shapes size the static buffers)."""
+    last pass (their shapes size the static buffers) and `added_by_module`: the gradient positions of
+    parameters under megatron's DDP protocol whose module adds into `main_grad` itself (it sets their
+    `grad_added_to_main_grad` in its backward; their returned gradient is a placeholder). The flags are put
+    back as they were before the warm-up."""
     cached: Dict[int, List[torch.Tensor]] = {}
+    protocol = [protocol_positions(e["runners"][0]) for e in entries]
+    flags_before = [(p, p.grad_added_to_main_grad) for positions in protocol for p in positions.values()]
     stream = torch.cuda.Stream() if graphs else None
     if graphs:
         torch.cuda.synchronize()
         stream.wait_stream(torch.cuda.current_stream())
     ctx = torch.cuda.stream(stream) if graphs else contextlib.nullcontext()
-    with ctx:
-        for i, e in enumerate(entries):
-            runner = e["runners"][0]
-            for _ in range(max(iters, 1)):
-                inputs = [x.detach().requires_grad_(rg) for x, rg in zip(runner.sample, runner.requires_grad)]
-                recorder = Recorder(runner.device(), runner.flag)
-                with torch.enable_grad():
-                    outputs = runner._record(inputs, recorder)
-                flat = _flatten_outputs(outputs)[0]
-                grads = runner._grads(flat, inputs, [torch.ones_like(o) if o.requires_grad else None for o in flat])
-                cached[i] = _unique(recorder.cached_weights)
-            e["warm_outputs"] = [o.detach().requires_grad_(o.requires_grad) for o in flat]
-            e["warm_grads"] = [g.detach() if g is not None else None for g in grads]
+    try:
+        with ctx:
+            for i, e in enumerate(entries):
+                runner = e["runners"][0]
+                for _ in range(max(iters, 1)):
+                    inputs = [x.detach().requires_grad_(rg) for x, rg in zip(runner.sample, runner.requires_grad)]
+                    recorder = Recorder(runner.device(), runner.flag)
+                    with torch.enable_grad():
+                        outputs = runner._record(inputs, recorder)
+                    flat = _flatten_outputs(outputs)[0]
+                    for p in protocol[i].values():
+                        p.grad_added_to_main_grad = False
+                    grads = runner._grads(flat, inputs, [torch.ones_like(o) if o.requires_grad else None for o in flat])
+                    cached[i] = _unique(recorder.cached_weights)
+                e["warm_outputs"] = [o.detach().requires_grad_(o.requires_grad) for o in flat]
+                e["warm_grads"] = [g.detach() if g is not None else None for g in grads]
+                e["added_by_module"] = {k for k, p in protocol[i].items() if p.grad_added_to_main_grad}
+    finally:
+        for p, value in flags_before:
+            p.grad_added_to_main_grad = value
     if graphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -303,7 +316,8 @@ def _capture(entries: list, layout: Layout, pool) -> None:
     for i, e in enumerate(entries):
         outs = e.pop("warm_outputs")
         grads = e.pop("warm_grads")
-        for k in main_grad_positions(e["runners"][0]):  # their backward graphs add into `main_grad`
+        # no gradient buffer where the backward graph adds into `main_grad`, or the module does
+        for k in set(main_grad_positions(e["runners"][0])) | e.pop("added_by_module"):
             grads[k] = None
         grad_buffers[i] = _GradBuffers(
             [torch.empty_like(o) if o.requires_grad else None for o in outs],

@@ -69,10 +69,13 @@ def buffer_address(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 
-def _restore_flags(flags: List[Tuple[torch.Tensor, bool]]) -> Callable[[], None]:
+_FLAG_BEFORE = "_fp8p_flag_before_backward"  # a parameter's `grad_added_to_main_grad` before the running backward
+
+
+def _restore_flags(params: List[torch.Tensor]) -> Callable[[], None]:
     def restore() -> None:
-        for param, value in flags:
-            param.grad_added_to_main_grad = value
+        for param in params:
+            param.grad_added_to_main_grad = param.__dict__.pop(_FLAG_BEFORE)
     return restore
 
 
@@ -216,6 +219,13 @@ class _GraphRunner(_Runner):
                 # without a gradient (allowed unused) is returned as None, as eagerly
                 self.main_grads = {k: (p, p.main_grad) for k, p in protocol.items()
                                    if k in added_by_module or (k in in_graph and grads[k] is not None)}
+                lost = [k for k, (buf, g) in enumerate(zip(self.static_grads, grads))
+                        if g is not None and buf is None and k not in self.main_grads]
+                if lost:  # the warm-up saw no gradient (or a module's own main_grad addition) there
+                    raise RuntimeError(
+                        f"graphed backward: gradient positions {lost} (inputs first, then parameters) have a "
+                        f"gradient at capture but had none in the warm-up; the callable must differentiate "
+                        f"the same way on every call")
                 with torch.no_grad():
                     for k, (buf, g) in enumerate(zip(self.static_grads, grads)):
                         if g is None or k in added_by_module:
@@ -268,13 +278,16 @@ class _GraphRunner(_Runner):
                     f"come back elsewhere), or capture again")
         self.bwd_graph.replay()
         grads = list(self.static_grads)
-        flags = []
+        first_in_backward = []
         for k, (param, _) in self.main_grads.items():
-            flags.append((param, param.grad_added_to_main_grad))
+            if _FLAG_BEFORE not in param.__dict__:  # another replay of this backward may have set it already
+                param.__dict__[_FLAG_BEFORE] = param.grad_added_to_main_grad
+                first_in_backward.append(param)
             grads[k] = placeholder_grad(param)  # fresh each replay, so autograd takes it without a copy
         # the flag tells megatron's hook, which runs in this backward, that the gradient is in main_grad; put
-        # back when the backward ends, so a later eager gradient of the parameter is added again
-        torch.autograd.Variable._execution_engine.queue_callback(_restore_flags(flags))
+        # back as it was before this backward when it ends, so a later eager gradient is added again
+        if first_in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(_restore_flags(first_in_backward))
         return grads
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -69,6 +70,10 @@ class FP8State(torch.nn.Module):
         self._native_key: Optional[tuple] = None  # the layer conditions `_native_layer` last decided, and for what
         self._native_ok = False
         self._prepared_for: Optional[Recipe] = None
+        # delayed scaling: whether the scales come from somewhere (a training forward, whose amaxes its scope
+        # reduces, or a loaded state dict); an inference call before that casts with scale 1 (see `_plan`)
+        self.scales_known = False
+        self.tag = tag
 
     def prepare(self, recipe: Recipe) -> None:
         if recipe is self._prepared_for or recipe == self._prepared_for:  # no host-to-device copy (capturable)
@@ -82,6 +87,7 @@ class FP8State(torch.nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._prepared_for = None  # the loaded `recipe` record and history lengths are re-checked on next use
+        self.scales_known = True
 
 
 @dataclasses.dataclass
@@ -146,6 +152,8 @@ def _plan(state: FP8State) -> Optional[_Plan]:
         plan = _scope_plan(state, recipe, key, None)
         if not isinstance(recipe, CurrentScaling):  # the slots' view is made when a cast needs it
             plan.slot_address = key.forward.slot_address(state.fwd)
+            if not state.scales_known:
+                _note_scales_source(state, region)
     if region is not None:  # a first pass: its recompute repeats this decision
         snap = None
         if plan is not None:
@@ -165,6 +173,24 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     return plan
 
 
+def _note_scales_source(state: FP8State, region) -> None:
+    """First delayed-scaling calls of a state without scales: a training forward gives it scales (its scope
+    reduces the amaxes and updates them at exit); an inference call (grad disabled, not a reentrant
+    checkpoint's first pass) warns once, since it casts with the initial scale of 1 and its amaxes are not
+    reduced, as in TransformerEngine."""
+    training = region.phase is Phase.FIRST_PASS if region is not None and region.reentrant else torch.is_grad_enabled()
+    if training:
+        state.scales_known = True
+    elif not getattr(state, "_warned_unscaled", False):
+        state._warned_unscaled = True
+        warnings.warn(
+            f"fp8_parallel: {state.tag}: delayed scaling without grad, before any training forward or loaded "
+            f"FP8 state: its casts use the initial scale 1, and inference calls do not update scales (as in "
+            f"TransformerEngine), so the result may be far from high precision. Run inference with the scales "
+            f"from training (a training step or a checkpoint with FP8 state), or with current scaling "
+            f"(`Float8CurrentScaling`), which scales every call from its own amax", stacklevel=4)
+
+
 def expert_plans(states: Sequence[FP8State]) -> List[_Plan]:
     """`_plan` of each expert of a grouped call inside an enabled scope and outside checkpointed regions (the
     grouped FP8 path's conditions): the scope looked up once, the forward amax slots registered in expert
@@ -175,6 +201,10 @@ def expert_plans(states: Sequence[FP8State]) -> List[_Plan]:
         state.prepare(recipe)
     current = isinstance(recipe, CurrentScaling)
     slots = [None] * len(states) if current else key.forward.slots_of([state.fwd for state in states])
+    if not current:
+        for state in states:
+            if not state.scales_known:
+                _note_scales_source(state, None)
     return [_scope_plan(state, recipe, key, slot) for state, slot in zip(states, slots)]
 
 

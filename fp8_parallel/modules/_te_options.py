@@ -107,6 +107,15 @@ def check_input(owner: str, inp: torch.Tensor, features: int, label: str = "in_f
         raise ValueError(f"{owner}: input of shape {tuple(inp.shape)} does not end in {label}={features}")
 
 
+def in_autocast_dtype(inp: torch.Tensor) -> torch.Tensor:
+    """`inp` cast to the autocast dtype inside `torch.autocast` for its device (TransformerEngine's activation
+    dtype: a module's compute and output are in it), else unchanged."""
+    dev = inp.device.type
+    if inp.is_floating_point() and torch.is_autocast_enabled(dev):
+        return inp.to(torch.get_autocast_dtype(dev))
+    return inp
+
+
 def check_forward_options(owner: str, fp8_output: Optional[bool], fp8_grad: Optional[bool]) -> None:
     """TransformerEngine's `fp8_output` / `fp8_grad` forward flags: only False (outputs and input
     gradients leave the module in high precision)."""

@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ._core import FP8State, fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
-from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
+from ._te_options import (check_input, check_te_options, in_autocast_dtype, init_weight, resolve_device,
+                          resolve_dtype)
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
 
@@ -213,6 +214,7 @@ class LayerNormMLP(DelayedWgradMethods, torch.nn.Module):
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """Norm -> fc1 -> activation -> fc2 (both GEMMs in FP8 inside an enabled autocast scope)."""
         check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
+        inp = in_autocast_dtype(inp)
         # fc2's bias goes into the GEMM only when no TP reduction follows it
         in_gemm = self.fc2_bias if not self.return_bias and not self.tp.active else None
         local = functools.partial(self._local, is_first_microbatch=is_first_microbatch, fc2_bias=in_gemm)

@@ -16,7 +16,8 @@ from ._core import fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
 from ._te_options import (
-    add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
+    add_linear_parameters, check_forward_options, check_input, check_te_options, in_autocast_dtype, resolve_device,
+    resolve_dtype,
 )
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 
@@ -125,6 +126,7 @@ class Linear(DelayedWgradMethods, torch.nn.Module):
         check_forward_options("Linear", fp8_output, fp8_grad)
         row = self.tp.mode == "row"
         check_input("Linear", inp, self.weight.shape[1], "in_features/tp_size" if row else "in_features")
+        inp = in_autocast_dtype(inp)
         bias = self.bias if not self.return_bias and not row else None
         if self.tp.mode == "column":
             inp = self.tp.column_input(inp)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
-from ._te_options import check_input, check_te_options, init_weight, resolve_device, resolve_dtype
+from ._te_options import (check_input, check_te_options, in_autocast_dtype, init_weight, resolve_device,
+                          resolve_dtype)
 from ._tensor_parallel import TensorParallel, mark_partitioned
 
 # TransformerEngine's GroupedLinear options handled by `check_te_options` (accepted at their defaults, or
@@ -169,6 +170,7 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
                                           f"implemented; leave {label}=None (the result is a new tensor)")
         check_input("GroupedLinear", inp, self.in_features,
                     "in_features/tp_size" if self.tp.mode == "row" and self.tp.size > 1 else "in_features")
+        inp = in_autocast_dtype(inp)
         x = inp.reshape(-1, inp.shape[-1])
         rows = "" if inp.dim() == 2 else f" (the input of shape {tuple(inp.shape)} flattened to [-1, {inp.shape[-1]}])"
         splits = check_splits("GroupedLinear", m_splits, self.num_gemms, x.shape[0], rows)

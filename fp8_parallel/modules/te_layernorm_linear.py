@@ -15,7 +15,8 @@ from ._core import fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import weight_for_gemm
 from ._te_options import (
-    add_linear_parameters, check_forward_options, check_input, check_te_options, resolve_device, resolve_dtype,
+    add_linear_parameters, check_forward_options, check_input, check_te_options, in_autocast_dtype, resolve_device,
+    resolve_dtype,
 )
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
@@ -127,6 +128,7 @@ class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
         """Norm, then the FP8 linear; `fp8_output` / `fp8_grad` (TransformerEngine's) must stay False."""
         check_forward_options("LayerNormLinear", fp8_output, fp8_grad)
         check_input("LayerNormLinear", inp, self.in_features)
+        inp = in_autocast_dtype(inp)
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
         total = self.tp.column_input(ln_out)

@@ -5,7 +5,7 @@ from typing import Iterable, Optional, Tuple, Union
 
 import torch
 
-from ._te_options import resolve_device, resolve_dtype
+from ._te_options import in_autocast_dtype, resolve_device, resolve_dtype
 from .norm import normalize
 
 Shape = Union[int, Iterable[int]]
@@ -56,11 +56,7 @@ class _Norm(torch.nn.Module):
         """The input made contiguous (results independent of its strides: torch reduces in stride order) and,
         inside `torch.autocast`, cast to the autocast dtype, as TransformerEngine's norms and our linear
         modules do (torch's own autocast would run layer_norm / rms_norm in float32)."""
-        inp = inp.contiguous()
-        dev = inp.device.type
-        if inp.is_floating_point() and torch.is_autocast_enabled(dev):
-            inp = inp.to(torch.get_autocast_dtype(dev))
-        return inp
+        return in_autocast_dtype(inp.contiguous())
 
     def _normalize(self, inp: torch.Tensor, normalization: str) -> torch.Tensor:
         """`normalize` (float32 statistics and gain/bias gradients, rounded once, as TE's kernels) of the

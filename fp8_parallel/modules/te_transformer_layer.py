@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._te_options import check_te_options
+from ._te_options import check_te_options, in_autocast_dtype
 from .layernorm_mlp import LayerNormMLP
 from .te_multihead_attention import MultiheadAttention
 from .te_norm import LayerNorm, RMSNorm
@@ -256,10 +256,7 @@ class TransformerLayer(torch.nn.Module):
             enc_dec_attn_mask_type = self.enc_dec_attn_mask_type
         if enc_dec_window_size is None:
             enc_dec_window_size = self.enc_dec_window_size
-        device_type = hidden_states.device.type
-        if torch.is_autocast_enabled(device_type):  # AMP: the layer runs in the autocast dtype, as TE's
-            hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
-        hidden_states = hidden_states.contiguous()
+        hidden_states = in_autocast_dtype(hidden_states).contiguous()  # AMP: the layer runs in its dtype, as TE's
         shared = dict(inference_params=inference_params, is_first_microbatch=is_first_microbatch,
                       checkpoint_core_attention=checkpoint_core_attention, rotary_pos_emb=rotary_pos_emb,
                       core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,

@@ -99,8 +99,9 @@ def _train(args: RunArgs) -> int:
     batches = StepBatches(dataset, args.micro_batch_size, args.global_batch_size,
                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
     pos = _load(args, model, optimizer, scheduler, say)
-    if torch.cuda.is_available() and use_fused_torch_adam(optimizer):  # again: a loaded checkpoint's
-        say("optimizer: torch's fused Adam kernels (megatron fell back to torch's Adam)")  # groups carry theirs
+    # again: a loaded checkpoint's groups carry their own setting (and on the CPU no fused kernels are wanted)
+    if use_fused_torch_adam(optimizer, fused=torch.cuda.is_available()):
+        say("optimizer: torch's fused Adam kernels (megatron fell back to torch's Adam)")
 
     wrap = graphed = None
     if args.cuda_graph:

@@ -140,12 +140,13 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row['loss']:.4f}" if row.get("loss") is not None else "-")
         if it % self.log_interval == 0:
+            fp8 = (f"fp8 nonfinite amax {row['fp8_nonfinite_amax']} | scale [{_fmt(row['fp8_scale_min'])}, "
+                   f"{_fmt(row['fp8_scale_max'])}] | scopes reduced {row['fp8_scopes_reduced']}/"
+                   f"{row['fp8_scopes_opened']}") if row.get("fp8_scopes_opened") else "fp8 off"
             self.write(
                 f"iteration {it:6d} | loss {row['loss']:.5f} | lr {row['lr']:.3e} | grad norm "
                 f"{row['grad_norm'] if row['grad_norm'] is None else format(row['grad_norm'], '.4f')} | "
-                f"tokens/s {row['tokens_per_s']:.0f} | step {row['step_ms']:.1f} ms | fp8 nonfinite amax "
-                f"{row['fp8_nonfinite_amax']} | scale [{_fmt(row['fp8_scale_min'])}, {_fmt(row['fp8_scale_max'])}] "
-                f"| scopes reduced {row['fp8_scopes_reduced']}/{row['fp8_scopes_opened']}"
+                f"tokens/s {row['tokens_per_s']:.0f} | step {row['step_ms']:.1f} ms | {fp8}"
             )
 
     def close(self) -> None:

@@ -160,11 +160,14 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> List[torch.
                 for i, chunk in enumerate(chunks)]
 
 
-def use_fused_torch_adam(optimizer) -> int:
+def use_fused_torch_adam(optimizer, fused: bool = True) -> int:
     """Switch megatron's optimizer to torch's fused Adam kernels where it fell back to torch's Adam (no
     TransformerEngine or apex): one kernel per parameter group instead of foreach ones, whose temporaries
-    are as large as the parameters. Idempotent; call it again after loading a checkpoint (its parameter
-    groups carry the setting). Returns the number of groups switched."""
+    are as large as the parameters. `fused=False` puts torch's own choice back (for CPU runs: a GPU
+    checkpoint's groups carry `fused=True`). Idempotent; call it again after loading a checkpoint (its
+    parameter groups carry the setting it was saved with, and its step counts may sit on the CPU, where the
+    fused kernels cannot read them: they are moved to their parameter's device). Returns the number of
+    groups switched."""
     switched = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_opt = getattr(inner, "optimizer", None)
@@ -173,7 +176,14 @@ def use_fused_torch_adam(optimizer) -> int:
         for group in torch_opt.param_groups:
             if not all(p.is_floating_point() for p in group["params"]):
                 continue
+            if not fused:
+                group["foreach"], group["fused"] = None, None
+                continue
             group["foreach"], group["fused"] = False, True
+            for p in group["params"]:
+                step = torch_opt.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    torch_opt.state[p]["step"] = step.to(p.device, torch.float32)
             switched += 1
     return switched
 

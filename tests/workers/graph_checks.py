@@ -480,12 +480,14 @@ class _FusedAccumulation(torch.nn.Module):
 OTHER_RECIPE = fp.DelayedScaling(amax_history_len=4, amax_compute_algo="max", margin=1)
 
 
-def _check_ddp_graphs_with_fused_wgrad_accumulation(dtype: torch.dtype):
-    """Under megatron's DDP with `dtype` parameters, a graphed callable holding a module that adds into main_grad itself: that addition
-    happens once per replay (the graph adds nothing more for it), and every parameter is flagged for megatron's
-    hook on every replay (its `zero_grad_buffer` clears the flags each step). Each step's second microbatch
-    runs under another recipe, so the graphed callable runs it eagerly: its gradients, after a replay in the
-    same step, must be added by the hook. Main grads match the eager twin bitwise."""
+def _check_ddp_graphs_with_fused_wgrad_accumulation(dtype: torch.dtype, accumulate: bool):
+    """Under megatron's DDP with `dtype` parameters, a graphed callable (`accumulate_into_main_grad` on or off)
+    holding a module that adds into main_grad itself: that addition happens once per replay (the graph adds
+    nothing more for it), and its weight is flagged for megatron's hook every time the hook sees it (its
+    `zero_grad_buffer` clears the flags each step), which a hook of our own, running just before megatron's,
+    records. Each step's second microbatch runs under another recipe, so the graphed callable runs it
+    eagerly: its gradients, after a replay in the same step, must be added by the hook. Main grads match the
+    eager twin bitwise."""
     cfg = _config(dtype)
     torch.manual_seed(test_seed() % 1000)
     plain_module = _FusedAccumulation(dtype)
@@ -493,7 +495,12 @@ def _check_ddp_graphs_with_fused_wgrad_accumulation(dtype: torch.dtype):
     graphed_module.load_state_dict(plain_module.state_dict())
     plain, graphed = _ddp_wrapped(plain_module, cfg), _ddp_wrapped(graphed_module, cfg)
     sample = torch.randn(32, 64, device="cuda", dtype=dtype, requires_grad=True)
-    fp.make_graphed_callables(graphed_module, (sample,), fp8_enabled=True, fp8_recipe=RECIPE, num_warmup_iters=2)
+    fp.make_graphed_callables(graphed_module, (sample,), fp8_enabled=True, fp8_recipe=RECIPE, num_warmup_iters=2,
+                              accumulate_into_main_grad=accumulate)
+    flags_seen = {id(m): [] for m in (plain_module, graphed_module)}
+    hooks = [m.fused.weight.register_post_accumulate_grad_hook(
+        lambda p, seen=flags_seen[id(m)]: seen.append(bool(p.grad_added_to_main_grad)))
+        for m in (plain_module, graphed_module)]
     gen = torch.Generator().manual_seed(test_seed())
     xs = [[torch.randn(32, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(STEPS)]
     results = []
@@ -518,7 +525,12 @@ def _check_ddp_graphs_with_fused_wgrad_accumulation(dtype: torch.dtype):
                 for p in params:
                     p.add_(p.main_grad.to(p.dtype), alpha=-0.1)
         results.append(seen)
+    for h in hooks:
+        h.remove()
     assert graphed_module.forward.replay_count == STEPS and graphed_module.forward.eager_count == STEPS
+    for m, kind in ((plain_module, "plain"), (graphed_module, "graphed")):
+        seen = flags_seen[id(m)]
+        assert len(seen) == 2 * STEPS and all(seen), f"{kind}: the fused weight's flag as megatron's hook saw it: {seen}"
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.isfinite(a).all() and a.abs().sum() > 0, f"main_grad {i}: not finite or all zero"
         assert torch.equal(a, b), f"main_grad {i}: max abs diff {(a - b).abs().max()}"
@@ -529,8 +541,9 @@ if __name__ == "__main__":
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         run_checks([(f"ddp_graphs_add_into_main_grad_{n}", functools.partial(_check_ddp_graphs_add_into_main_grad, d))
                     for n, d in dtypes.items()]
-                   + [(f"ddp_graphs_with_fused_wgrad_accumulation_{n}",
-                       functools.partial(_check_ddp_graphs_with_fused_wgrad_accumulation, d)) for n, d in dtypes.items()])
+                   + [(f"ddp_graphs_with_fused_wgrad_accumulation_{n}{'_in_graph' if acc else ''}",
+                       functools.partial(_check_ddp_graphs_with_fused_wgrad_accumulation, d, acc))
+                      for n, d in dtypes.items() for acc in (False, True)])
         ps.destroy()
         sys.exit(0)
     if MODE == "dropout":

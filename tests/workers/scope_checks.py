@@ -295,12 +295,12 @@ def _reference_update(history, scale, amax, fmax, recipe):
         return history, scale
     history = [amax] + history[:-1]
     algo = recipe.amax_compute_algo
-    a = max(history) if algo == "max" else history[0] if algo == "most_recent" else algo(torch.tensor([history])).item()
+    a = max(history) if algo == "max" else history[0] if algo == "most_recent" else algo(torch.tensor([history]).t()).item()
     return history, fmax / a / 2**recipe.margin
 
 
 def check_updates_equal_per_tensor_reference():
-    for algo in ("max", "most_recent", lambda h: h.mean(dim=1)):
+    for algo in ("max", "most_recent", lambda h: h.mean(dim=0)):  # a callable sees TE's [history_len, tensors]
         for length in (1, 5):
             recipe = fp.DelayedScaling(amax_history_len=length, amax_compute_algo=algo, margin=1)
             layers = _model(3, 8)

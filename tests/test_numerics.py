@@ -122,15 +122,15 @@ def _reference_step(history, scale, amax, fp8_max_, margin, algo):
     if not (amax > 0) or not math.isfinite(amax):
         return list(history), scale
     history = [amax] + list(history[:-1])
-    a = max(history) if algo == "max" else history[0] if algo == "most_recent" else algo(torch.tensor([history])).item()
+    a = max(history) if algo == "max" else history[0] if algo == "most_recent" else algo(torch.tensor([history]).t()).item()
     if not (a > 0) or not math.isfinite(a):
         return history, scale
     s = fp8_max_ / a / 2.0**margin
     return history, (FLOAT32_MAX if s > FLOAT32_MAX else s)
 
 
-def _mean_algo(history):
-    return history.mean(dim=1)
+def _mean_algo(history):  # TransformerEngine's layout: [history_len, num_tensors]
+    return history.mean(dim=0)
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", _mean_algo])

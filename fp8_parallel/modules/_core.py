@@ -73,7 +73,7 @@ class FP8State(torch.nn.Module):
         # delayed scaling: whether the scales come from somewhere (a training forward, whose amaxes its scope
         # reduces, or a loaded state dict); an inference call before that casts with scale 1 (see `_plan`)
         self.scales_known = False
-        self.tag = tag
+        self.warned_unscaled = False  # the warning of `_note_scales_source` was given
 
     def prepare(self, recipe: Recipe) -> None:
         if recipe is self._prepared_for or recipe == self._prepared_for:  # no host-to-device copy (capturable)
@@ -181,10 +181,10 @@ def _note_scales_source(state: FP8State, region) -> None:
     training = region.phase is Phase.FIRST_PASS if region is not None and region.reentrant else torch.is_grad_enabled()
     if training:
         state.scales_known = True
-    elif not getattr(state, "_warned_unscaled", False):
-        state._warned_unscaled = True
+    elif not state.warned_unscaled:
+        state.warned_unscaled = True
         warnings.warn(
-            f"fp8_parallel: {state.tag}: delayed scaling without grad, before any training forward or loaded "
+            f"fp8_parallel: {state.fwd.tag.removesuffix('/fwd')}: delayed scaling without grad, before any training forward or loaded "
             f"FP8 state: its casts use the initial scale 1, and inference calls do not update scales (as in "
             f"TransformerEngine), so the result may be far from high precision. Run inference with the scales "
             f"from training (a training step or a checkpoint with FP8 state), or with current scaling "

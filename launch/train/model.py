@@ -195,9 +195,8 @@ def build_optimizer(args, model: List[torch.nn.Module]) -> Tuple[object, Optimiz
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         clip_grad=args.clip_grad, use_distributed_optimizer=True, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
     )
+    # the job switches it to torch's fused Adam kernels once any checkpoint is loaded (`use_fused_torch_adam`)
     optimizer = get_megatron_optimizer(opt_config, model)
-    if torch.cuda.is_available():
-        use_fused_torch_adam(optimizer)
     warmup = min(args.lr_warmup_iters, max(args.train_iters - 1, 0))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else args.lr, max_lr=args.lr, min_lr=args.min_lr,

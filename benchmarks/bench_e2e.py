@@ -118,6 +118,7 @@ class Knobs:
     ddp: bool = False  # megatron's DDP (fp32 main grads) and optimizer (fp32 master weights), as the training job
     ce_fusion: bool = False  # megatron's cross_entropy_loss_fusion, "native" impl (Megatron-LM: --cross-entropy-loss-fusion)
     fused_adam: bool = False  # with ddp: megatron's torch Adam switched from foreach to fused kernels
+    wgrad_fusion: bool = False  # with ddp: our layers add weight gradients into DDP's main_grad in the GEMM
 
 
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
@@ -157,7 +158,7 @@ def _local_to_ours(name: str) -> str:
 
 def _knobs(args) -> Knobs:
     return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format, args.ddp, args.ce_fusion,
-                 args.fused_adam)
+                 args.fused_adam, args.wgrad_fusion)
 
 
 def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
@@ -416,6 +417,11 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     if knobs.ddp:
         model = _with_ddp(model, cfg, device)
     chunks = model if isinstance(model, list) else [model]
+    if knobs.ddp and knobs.wgrad_fusion:  # megatron's local spec has none of our layers: unaffected
+        from fp8_parallel.megatron import fuse_wgrad_accumulation
+
+        for c in chunks:
+            fuse_wgrad_accumulation(c)
     opt = (_megatron_optimizer(chunks, knobs.fused_adam) if knobs.ddp
            else torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda"))
     fp8 = variant.startswith("fp8")
@@ -494,7 +500,7 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
     by = {r["variant"]: r for r in results}
     case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
             + (" fused-CE" if knobs.ce_fusion else "") + (" DDP" if knobs.ddp else "")
-            + (" fused-Adam" if knobs.fused_adam else "")
+            + (" fused-Adam" if knobs.fused_adam else "") + (" wgrad-fusion" if knobs.wgrad_fusion else "")
             + (" expandable-segments" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
                else "")
             + ("" if knobs.weight_cache else " no-weight-cache"))
@@ -573,6 +579,10 @@ def main(argv: List[str]) -> None:
     p.add_argument("--fused-adam", action="store_true",
                    help="with --ddp: megatron's optimizer (torch's Adam when TE and apex are absent) on fused kernels "
                         "instead of foreach ones")
+    p.add_argument("--wgrad-fusion", action="store_true",
+                   help="with --ddp: our layers (FP8 and FP8 off) add their weight gradients into DDP's float32 "
+                        "main_grad in the GEMM (megatron's gradient_accumulation_fusion, without apex), as the "
+                        "training job does")
     p.add_argument("--ce-fusion", action="store_true",
                    help="megatron's fused cross entropy (cross_entropy_loss_fusion, native) for every variant")
     p.add_argument("--no-fusions", dest="fusions", action="store_false",

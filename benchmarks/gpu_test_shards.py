@@ -89,15 +89,22 @@ def _summarise(junit_dir: Path, shard_numbers: list[int], codes: list[int]) -> i
     counts = {"PASSED": 0, "FAILED": 0, "ERROR": 0, "SKIPPED": 0}
     for n in shard_numbers:
         text = (junit_dir / f"shard{n}.log").read_text(errors="replace")
+        seen = dict.fromkeys(counts, 0)  # from the per-test lines, for a shard stopped before its summary
         for line in text.splitlines():
             word = line.split(" ", 1)[0]
             if word in counts:
-                counts[word] += 1
+                seen[word] += 1
                 if word != "PASSED":
                     print(line[:400])
         for block in _failure_blocks(text):
             print(block[:4000])
         tail = [line for line in text.splitlines() if " in " in line and ("passed" in line or "failed" in line)]
+        if tail:  # pytest's own totals (one SKIPPED line can stand for several tests)
+            seen = dict.fromkeys(counts, 0)
+            for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", tail[-1]):
+                seen[{"errors": "ERROR", "error": "ERROR"}.get(word, word.upper())] += int(number)
+        for key in counts:
+            counts[key] += seen[key]
         print(f"shard {n}: exit {codes[shard_numbers.index(n)]}: {tail[-1] if tail else 'no summary (stopped?)'}")
     print("total: " + ", ".join(f"{v} {k.lower()}" for k, v in counts.items()), flush=True)
     return 0 if counts["FAILED"] == counts["ERROR"] == 0 and all(c == 0 for c in codes) else 1

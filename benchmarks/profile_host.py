@@ -249,7 +249,7 @@ def native_parts(iters: int = 2000) -> None:
         "linear_fwd (weight cast too)": lambda: ext.linear_fwd(x, scale, slot, 0, True, True, None, None, w, None),
         "linear_bwd (dgrad + wgrad)": lambda: ext.linear_bwd(g, scale, slot, 2, True, qw._transpose_cache.buffer,
                                                              None, qw._scale_inv, qx_t, None, None, sinv, True, True,
-                                                             False, 0, 0),
+                                                             False, 0, 0, None),
         "F.linear bf16": lambda: torch.nn.functional.linear(x, w),
         "bf16 nn.Linear fwd + bwd": lambda: bw(xg).backward(g),
     }

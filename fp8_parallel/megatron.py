@@ -43,6 +43,7 @@ __all__ = [
     "FP8TransformerLayer",
     "expert_scope",
     "fp8_context",
+    "fuse_wgrad_accumulation",
     "get_gpt_block_spec",
     "get_gpt_layer_spec",
     "is_bf16_layer",
@@ -225,3 +226,21 @@ def get_gpt_block_spec(config, num_experts: Optional[int] = None, vp_stage: Opti
     layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(module=FP8TransformerBlock, submodules=FP8BlockSubmodules(layers, layer_norm=Norm))
 
+
+
+def fuse_wgrad_accumulation(model, enabled: bool = True) -> int:
+    """Set `fuse_wgrad_accumulation` on every linear of this package in `model`: their weight gradients are
+    accumulated in float32 and added into `main_grad` in the GEMM (megatron's `gradient_accumulation_fusion`,
+    which megatron's own layers accept only with apex). For a model wrapped in megatron's
+    DistributedDataParallel, whose buffers the layers then write. Returns the number of layers set.
+
+    Raises:
+        RuntimeError: later, at a training forward, from a layer whose weight has no `main_grad`.
+    """
+    count = 0
+    for module in model.modules():
+        if hasattr(type(module), "fuse_wgrad_accumulation") or (
+                type(module).__module__.startswith("fp8_parallel.") and hasattr(module, "fuse_wgrad_accumulation")):
+            module.fuse_wgrad_accumulation = enabled
+            count += 1
+    return count

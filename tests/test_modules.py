@@ -9,7 +9,7 @@ from launcher import launch
 def test_tp2_modules_match_single_rank_cache_and_state_dict():
     launch("module_checks.py", 2, ["mlp"], timeout=300, expect_checks=[
         "tp2_matches_single_rank", "tp2_sp_matches_single_rank", "sp_fp8_gather_equals_bf16_gather",
-        "weight_caching", "state_dict_tp2_to_tp1"])
+        "weight_caching", "state_dict_tp2_to_tp1", "fused_wgrad_accumulation_under_ddp"])
 
 
 def test_megatron_gpt_dense_and_moe_fp8_under_megatron_schedule():

@@ -228,3 +228,60 @@ def test_native_linear_matches_python_path_large_gpu(tokens, fin, fout, bias):
         if a is None:
             continue
         assert torch.equal(a, b), (i, (a.double() - b.double()).abs().max().item())
+
+
+def _fused_run(ext, device, seed, dtype, main_dtype, cached):
+    """Two steps of two microbatches of a Linear with `fuse_wgrad_accumulation`: outputs, input gradients and
+    the main_grad after each step."""
+    torch.manual_seed(seed)
+    layer = fp.Linear(64, 48, bias=True, params_dtype=dtype, device=device, fuse_wgrad_accumulation=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    layer.weight.main_grad = torch.randn(48, 64, generator=g).to(device, main_dtype)
+    layer.weight.grad_added_to_main_grad = False
+    seen = []
+    counting = CountingExtension(ext) if ext is not None else None
+    with using(counting):
+        for _ in range(2):
+            for micro in range(2):
+                x = torch.randn(32, 64, generator=g).to(device, dtype).requires_grad_()
+                with fp.fp8_autocast(fp8_recipe=fp.recipe.DelayedScaling(amax_history_len=4)):
+                    y = layer(x * 1.5, is_first_microbatch=(micro == 0) if cached else None)
+                y.backward(torch.randn(y.shape, generator=g).to(device, y.dtype))
+                assert layer.weight.grad_added_to_main_grad
+                seen += [y.detach(), x.grad, layer.bias.grad.clone()]
+                layer.weight.grad = None
+            seen.append(layer.weight.main_grad.clone())
+    if counting is not None:
+        assert counting.calls["linear_bwd"] == 4, counting.calls
+    return seen
+
+
+def test_native_fused_accumulation_matches_python_path(cpu_ext):
+    """The compiled backward adding the weight gradient into `main_grad` (the CPU build: float32 product, then
+    the add) against the Python path, bit for bit."""
+    seed = seed_for("test_native_fused_accumulation_matches_python_path")
+    for dtype, main_dtype, cached in ((torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, False),
+                                      (torch.bfloat16, torch.bfloat16, True)):
+        got = _fused_run(cpu_ext, "cpu", seed, dtype, main_dtype, cached)
+        want = _fused_run(None, "cpu", seed, dtype, main_dtype, cached)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (dtype, main_dtype, cached, i)
+
+
+@pytest.mark.gpu
+def test_native_fused_accumulation_matches_python_path_gpu():
+    """On a GPU the compiled wgrad GEMM adds in its epilogue: float32 rounding apart from the Python path's
+    GEMM-then-add; everything else bit for bit."""
+    ext = _cuda_extension()
+    seed = seed_for("test_native_fused_accumulation_matches_python_path_gpu")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for main_dtype, cached in ((torch.float32, True), (torch.float32, False), (torch.bfloat16, True)):
+            got = _fused_run(ext, "cuda", seed, dtype, main_dtype, cached)
+            want = _fused_run(None, "cuda", seed, dtype, main_dtype, cached)
+            for i, (a, b) in enumerate(zip(got, want)):
+                if i % 7 == 6:  # a main_grad (after each step)
+                    tol = 1e-6 if main_dtype == torch.float32 else 8e-3
+                    rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+                    assert rel < tol, (dtype, main_dtype, cached, i, rel)
+                else:
+                    assert torch.equal(a, b), (dtype, main_dtype, cached, i)

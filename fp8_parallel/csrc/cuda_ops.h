@@ -14,7 +14,10 @@ void cast_cuda(const at::Tensor& x, const float* scale, unsigned char* data, uns
 
 // out = a @ b.T (+ bias) for row-major FP8 a [M, K], b [N, K] with per-tensor scales, through cuBLASLt with a
 // plan kept per shape (the kernel torch._scaled_mm runs); false where it does not apply (then call torch).
+// `accumulate_into` (may be null; a contiguous [M, N] tensor of `out_dtype`, no bias): the product is added
+// into it in the GEMM's epilogue (beta 1), and `out` is that tensor.
 bool lt_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_sinv, const at::Tensor& b_sinv,
-                  const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, at::Tensor& out);
+                  const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, at::Tensor& out,
+                  const at::Tensor* accumulate_into = nullptr);
 
 }  // namespace fp8p

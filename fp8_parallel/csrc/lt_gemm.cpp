@@ -33,6 +33,8 @@ struct Key {
   int64_t m, n, k;
   int a, b, out, bias;  // dtypes (bias: -1 without one)
   bool fast_accum;
+  bool accumulate;  // D = a @ b.T + C with C = D (beta 1)
+  int cd_align;     // bytes C and D start at a multiple of (the output alone: 256)
   int device;
   size_t workspace;
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
@@ -103,6 +105,13 @@ Plan make_plan(const Key& key, cublasLtHandle_t handle, const void* a_scale, con
   const size_t workspace = key.workspace;
   FP8P_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                                      sizeof(workspace)));
+  if (key.cd_align < 256) {  // an accumulation target inside a larger buffer (megatron's grad buffer)
+    const uint32_t align = static_cast<uint32_t>(key.cd_align);
+    FP8P_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align,
+                                                       sizeof(align)));
+    FP8P_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align,
+                                                       sizeof(align)));
+  }
   cublasLtMatmulHeuristicResult_t result = {};
   int returned = 0;
   const cublasStatus_t status =
@@ -125,12 +134,27 @@ bool enabled() {
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// the largest power of two up to 256 that `p` is a multiple of
+int alignment_of(const void* p) {
+  int align = 256;
+  while (align > 1 && !aligned(p, align)) align /= 2;
+  return align;
+}
+
 }  // namespace
 
 bool lt_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_sinv, const at::Tensor& b_sinv,
-                  const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, at::Tensor& out) {
+                  const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, at::Tensor& out,
+                  const at::Tensor* accumulate_into) {
   if (!enabled() || !a.is_cuda()) return false;
+  if (accumulate_into != nullptr && (bias || !accumulate_into->is_contiguous() ||
+                                    accumulate_into->scalar_type() != out_dtype ||
+                                    !aligned(accumulate_into->data_ptr(), 16)))
+    return false;
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  if (accumulate_into != nullptr && (accumulate_into->dim() != 2 || accumulate_into->size(0) != M ||
+                                    accumulate_into->size(1) != N))
+    return false;
   // cuBLASLt's heuristic assumes 256-byte aligned matrices unless told otherwise; anything else goes to torch
   if (M == 0 || K == 0 || N == 0 || !a.is_contiguous() || !b.is_contiguous() || !aligned(a.data_ptr(), 256) ||
       !aligned(b.data_ptr(), 256) || !aligned(a_sinv.data_ptr(), 16) || !aligned(b_sinv.data_ptr(), 16))
@@ -144,6 +168,8 @@ bool lt_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_
   key.a = (int)a.scalar_type(), key.b = (int)b.scalar_type(), key.out = (int)out_dtype;
   key.bias = bias ? (int)bias->scalar_type() : -1;
   key.fast_accum = fast_accum, key.device = (int)a.get_device(), key.workspace = workspace;
+  key.accumulate = accumulate_into != nullptr;
+  key.cd_align = accumulate_into != nullptr ? alignment_of(accumulate_into->data_ptr()) : 256;
   const void* a_scale = b_sinv.data_ptr();  // cuBLAS's A is b
   const void* b_scale = a_sinv.data_ptr();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -161,8 +187,8 @@ bool lt_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_
     FP8P_LT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
                                                  sizeof(bias_ptr)));
   }
-  out = at::empty({M, N}, a.options().dtype(out_dtype));
-  const float alpha = 1.0f, beta = 0.0f;
+  out = accumulate_into != nullptr ? *accumulate_into : at::empty({M, N}, a.options().dtype(out_dtype));
+  const float alpha = 1.0f, beta = accumulate_into != nullptr ? 1.0f : 0.0f;
   FP8P_LT_CHECK(cublasLtMatmul(handle, p.desc, &alpha, b.data_ptr(), p.A, a.data_ptr(), p.B, &beta, out.data_ptr(),
                                p.C, out.data_ptr(), p.D, &p.algo, at::cuda::getCUDABlasLtWorkspace(), workspace,
                                c10::cuda::getCurrentCUDAStream()));

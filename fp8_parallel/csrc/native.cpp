@@ -117,6 +117,18 @@ Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor
   return out == at::kFloat ? r : r.to(out);
 }
 
+// `acc += a @ b.T` accumulated in float32 and rounded once into acc's dtype (megatron's fused weight-gradient
+// accumulation): in the GEMM's epilogue where cuBLASLt takes `acc`, else the float32 product added
+void gemm_accumulate(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor& b_sinv, Tensor& acc) {
+  const Tensor sa = scale_operand(a_sinv), sb = scale_operand(b_sinv);
+  const Tensor a16 = aligned(a), b16 = aligned(b);
+#ifdef FP8P_WITH_CUDA
+  Tensor r;
+  if (lt_scaled_mm(a16, b16, sa, sb, std::nullopt, acc.scalar_type(), false, r, &acc)) return;
+#endif
+  acc.add_(at::_scaled_mm(a16, b16.t(), sa, sb, std::nullopt, std::nullopt, at::kFloat, false));
+}
+
 void check_fp8(const Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
               "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
@@ -196,13 +208,16 @@ std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const O
 // One FP8 linear's backward from `linear_fwd`'s outputs: cast g2 ([M, N]) with g_scale_buf[0] (E5M2 when
 // g_e5m2) into g_amax_buf[g_amax_index]; dgrad = g2 @ W from the weight's FP8 transpose, given (`w_t`, [K, N])
 // or re-cast here from `w_ref` with saved_scales[1]; wgrad = g2.T @ x2 from x2's FP8 transpose, given (`x_t`,
-// [K, M]) or re-cast here from `x_ref` with saved_scales[0]; the bias gradient g2.sum(0). Returns [grad_x (g's
-// shape with K features), grad_w, grad_b], undefined where not asked for.
+// [K, M]) or re-cast here from `x_ref` with saved_scales[0]; the bias gradient g2.sum(0). Given `main_grad` (a
+// float32 / bfloat16 / float16 [N, K] tensor), wgrad is added into it (accumulated in float32, one rounding)
+// instead of returned. Returns [grad_x (g's shape
+// with K features), grad_w, grad_b], undefined where not asked for (grad_w also with `main_grad`).
 std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const OptTensor& g_amax_buf,
                                int64_t g_amax_index, bool g_e5m2, const OptTensor& w_t, const OptTensor& w_ref,
                                const OptTensor& w_sinv, const OptTensor& x_t, const OptTensor& x_ref,
                                const OptTensor& saved_scales, const OptTensor& x_sinv, bool need_dgrad,
-                               bool need_wgrad, bool need_bgrad, int64_t x_dtype, int64_t w_dtype) {
+                               bool need_wgrad, bool need_bgrad, int64_t x_dtype, int64_t w_dtype,
+                               const OptTensor& main_grad) {
   const Tensor g2 = g.dim() == 2 ? g : g.reshape({-1, g.size(-1)});
   const Tensor g2c = g2.stride(1) == 1 ? g2 : g2.contiguous();
   const int64_t M = g2.size(0), N = g2.size(1);
@@ -234,7 +249,17 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
     TORCH_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
     const Tensor xt = x_t ? *x_t : recast_t(*x_ref, 0);
     check_fp8(xt, "input transpose");
-    grad_w = gemm(qg_t, xt, g_sinv, *x_sinv, std::nullopt, dtype_of(w_dtype), false);
+    if (main_grad) {
+      const at::ScalarType mt = main_grad->scalar_type();
+      TORCH_CHECK((mt == at::kFloat || mt == at::kBFloat16 || mt == at::kHalf) && main_grad->dim() == 2 &&
+                      main_grad->size(0) == N && main_grad->size(1) == xt.size(0),
+                  "fp8_parallel native linear: main_grad must be a float32 / bfloat16 / float16 [", N, ", ",
+                  xt.size(0), "] tensor, got ", mt, " ", main_grad->sizes());
+      Tensor acc = *main_grad;
+      gemm_accumulate(qg_t, xt, g_sinv, *x_sinv, acc);
+    } else {
+      grad_w = gemm(qg_t, xt, g_sinv, *x_sinv, std::nullopt, dtype_of(w_dtype), false);
+    }
   }
   if (need_bgrad) grad_b = g2.sum(0).to(dtype_of(w_dtype));
   if (grad_x.defined() && g.dim() != 2) {  // in the input's shape: g's with the input's features

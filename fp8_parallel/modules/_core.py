@@ -19,6 +19,7 @@ from ..quantize import padded_fp8, quantize, quantize_transposed
 from ..recipe import CurrentScaling, Recipe
 from ..scaling import current_scale
 from ._delayed_wgrad import WgradStore, high_precision_linear
+from ._main_grad import grad_after_main_grad, linear_into_main_grad
 from ..tensor import Float8Tensor
 from ._recompute import Phase, Snapshot, checkpoint_region, in_backward
 from ._sequence_parallel import all_gather_fp8, reduce_scatter_rows, scales_shared_over
@@ -447,11 +448,12 @@ def features_unaligned(weight: torch.Tensor) -> bool:
 
 
 def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan: _Plan, wgrad_in_fp8: bool,
-                    has_bias: bool, sp_group=None, wgrad_store=None, input_cast=None):
+                    has_bias: bool, sp_group=None, wgrad_store=None, input_cast=None, into_main_grad: bool = False):
     """The FP8 input of one linear's fprop, and what its backward needs: sets `rec`'s attributes (an autograd
     ctx, or a record of one expert of a grouped call) and returns `(qx, tensors to save, out_shape)`; the
     saved tensors, in order, are what `linear_backward` takes. `input_cast`: `(qx, its transpose's data or
-    None)`, the input already cast (no sequence parallelism)."""
+    None)`, the input already cast (no sequence parallelism). `into_main_grad`: backward adds the weight
+    gradient into `weight.main_grad` (see `fp8_linear`)."""
     fmt = plan.recipe.fp8_format
     x2 = x.reshape(-1, x.shape[-1])
     fp8_wgrad = wgrad_in_fp8 and weight.requires_grad
@@ -477,6 +479,7 @@ def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan
     rec.x_shape, rec.x_dtype, rec.w_dtype = x.shape, x.dtype, weight.dtype
     rec.has_bias = has_bias
     rec.state, rec.plan, rec.wgrad_store = state, plan, wgrad_store
+    rec.main_grad_of = weight if into_main_grad else None
     return qx, (*x_saved, qx._scale_inv, *w_saved, hp_x), out_shape
 
 
@@ -511,21 +514,24 @@ def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad, grad_c
         grad_x = grad_x.reshape(rec.x_shape)
     del qg, w_saved
     if needs_input_grad[1]:
+        into = rec.main_grad_of  # the weight whose main_grad takes the gradient, or None
+        w_dtype = torch.float32 if into is not None else rec.w_dtype  # fused: added to main_grad unrounded
         if fp8_wgrad:
-            x_dtype, w_dtype, pad = rec.x_dtype, rec.w_dtype, rec.pad or qg_t._data.shape[1] % 16 != 0
+            x_dtype, pad = rec.x_dtype, rec.pad or qg_t._data.shape[1] % 16 != 0
 
             def compute_wgrad():
                 return fp8_gemm(qg_t, _input_transposed(x_saved, qx_sinv, plan, x_dtype), out_dtype=w_dtype,
                                 pad=pad)
         else:
-            w_dtype = rec.w_dtype
-
             def compute_wgrad():
                 return (g2.t().float() @ hp_x.float()).to(w_dtype)
         if rec.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute: run by backward_dw()
             rec.wgrad_store.put(compute_wgrad, g2.device.type)
         else:
             grad_w = compute_wgrad()
+            if into is not None:
+                into.main_grad.add_(grad_w)
+                grad_w = grad_after_main_grad(into)
         del compute_wgrad
     if rec.has_bias and needs_input_grad[2]:
         grad_b = g2.sum(0).to(rec.w_dtype)
@@ -546,9 +552,10 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qweight, options):
         # the non-tensor arguments travel as one tuple: autograd's apply visits every argument on every call
-        state, plan, wgrad_in_fp8, sp_group, wgrad_store = options
+        state, plan, wgrad_in_fp8, sp_group, wgrad_store, into_main_grad = options
         qx, to_save, out_shape = linear_operands(ctx, x, weight, qweight, state, plan, wgrad_in_fp8,
-                                                 bias is not None, sp_group, wgrad_store)
+                                                 bias is not None, sp_group, wgrad_store,
+                                                 into_main_grad=into_main_grad)
         y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True,
                      pad=ctx.pad)
         del qx  # the row-major FP8 input is not needed past fprop
@@ -565,11 +572,12 @@ class _FP8Linear(torch.autograd.Function):
 class _NativeFP8Linear(torch.autograd.Function):
     """`_FP8Linear` for its common call (see `_native_linear`): forward and backward one compiled call each,
     computing the same bytes with the same GEMMs; the scope bookkeeping stays in Python. `qweight`: the cached
-    FP8 weight, or None to cast the weight in the forward call (and re-cast its transpose in backward)."""
+    FP8 weight, or None to cast the weight in the forward call (and re-cast its transpose in backward). With
+    `into_main_grad` the wgrad GEMM adds into `weight.main_grad` in its epilogue."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, qweight, options):
-        ext, state, plan = options
+        ext, state, plan, into_main_grad = options
         wgrad, dgrad = weight.requires_grad, x.requires_grad
         leaf = x.grad_fn is None  # kept by reference, its transpose re-cast in backward (`_input_operand`)
         fresh = qweight is None  # the weight cast here, its transpose re-cast in backward (`_weight_operand`)
@@ -582,22 +590,24 @@ class _NativeFP8Linear(torch.autograd.Function):
         # the cache is rewritten in place only by a later first microbatch (see `_weight_operand`)
         w_t, w_sinv = (qweight._transpose_cache.buffer, qweight._scale_inv) if dgrad and not fresh else (None, None)
         ctx.native = (ext, state, plan, w_t, w_sinv, bias is not None, DTYPE_CODES[x.dtype],
-                      DTYPE_CODES[weight.dtype])
+                      DTYPE_CODES[weight.dtype], weight if into_main_grad else None)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         qx_t, x_ref, w_ref, scales, x_sinv, cast_sinv = ctx.saved_tensors
-        ext, state, plan, w_t, w_sinv, has_bias, x_code, w_code = ctx.native
+        ext, state, plan, w_t, w_sinv, has_bias, x_code, w_code, into = ctx.native
         need = ctx.needs_input_grad
         e5m2 = plan.recipe.fp8_format.backward_dtype == torch.float8_e5m2
         slots, index = plan.key_state.backward.slot_address(state.bwd)
+        main_grad = into.main_grad if into is not None and need[1] else None
         args = (grad_out, state.bwd.scale, slots, index + BWD_GRAD_OUTPUT, e5m2, w_t, w_ref,
                 w_sinv if cast_sinv is None else cast_sinv, qx_t, x_ref, scales, x_sinv, need[0], need[1],
-                has_bias and need[2], x_code, w_code)
+                has_bias and need[2], x_code, w_code, main_grad)
         grads = backward_outside_autocast(lambda: ext.linear_bwd(*args), grad_out.device.type)
         _backward_done(plan)
-        return grads[0], grads[1], grads[2], None, None
+        grad_w = grad_after_main_grad(into) if main_grad is not None else grads[1]
+        return grads[0], grad_w, grads[2], None, None
 
 
 def _native_linear(x: torch.Tensor, weight: torch.Tensor, qweight: Optional[Float8Tensor], state: FP8State,
@@ -643,6 +653,7 @@ def fp8_linear(
     sp_group: Optional[dist.ProcessGroup] = None,
     hp_gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     wgrad_store: Optional[WgradStore] = None,
+    fuse_wgrad_accumulation: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias`, in FP8 inside an enabled autocast scope and in high precision otherwise.
 
@@ -656,8 +667,15 @@ def fp8_linear(
 
     `wgrad_store`: backward leaves the weight-gradient computation there instead of running it
     (TransformerEngine's `delay_wgrad_compute`; the caller runs it later and assigns the gradient).
+
+    `fuse_wgrad_accumulation`: the weight gradient is accumulated in float32 and added into `weight.main_grad`
+    (checked by the caller, see `_main_grad.accumulates_into_main_grad`) instead of returned, as megatron's
+    `gradient_accumulation_fusion` and TransformerEngine's option do: in FP8 the compiled path's wgrad GEMM
+    adds in its epilogue; under megatron's protocol autograd gets `_main_grad.placeholder_grad`. Ignored with
+    `wgrad_store` (its `backward_dw` accumulates).
     """
     plan = _plan(state)
+    into = fuse_wgrad_accumulation and wgrad_store is None
     fp8_gather = (
         sp_group is not None and plan is not None and plan.forward_scale is not None and wgrad_in_fp8
         and plan.key_state is not None and scales_shared_over(plan.key_state.group, sp_group)
@@ -668,19 +686,21 @@ def fp8_linear(
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         if wgrad_store is not None:
             return high_precision_linear(x, w, bias, wgrad_store)
+        if into and w is weight:
+            return linear_into_main_grad(x, weight, bias)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if is_first_microbatch is None and getattr(plan.key_state, "weight_noop_flag", None) is None:
         ext = _native_linear(x, weight, None, state, plan, wgrad_in_fp8, fp8_gather, wgrad_store)
         if ext is not None:  # the weight is cast inside the compiled call (as `cast_weight` would, uncached)
-            out = _NativeFP8Linear.apply(x, weight, bias, None, (ext, state, plan))
+            out = _NativeFP8Linear.apply(x, weight, bias, None, (ext, state, plan, into))
             _settle_backward(plan, out)
             return out
     qweight = cast_weight(weight, state, plan, is_first_microbatch)
     ext = _native_linear(x, weight, qweight, state, plan, wgrad_in_fp8, fp8_gather, wgrad_store)
     if ext is not None:
-        out = _NativeFP8Linear.apply(x, weight, bias, qweight, (ext, state, plan))
+        out = _NativeFP8Linear.apply(x, weight, bias, qweight, (ext, state, plan, into))
     else:
         out = _FP8Linear.apply(x, weight, bias, qweight,
-                               (state, plan, wgrad_in_fp8, sp_group if fp8_gather else None, wgrad_store))
+                               (state, plan, wgrad_in_fp8, sp_group if fp8_gather else None, wgrad_store, into))
     _settle_backward(plan, out)
     return out

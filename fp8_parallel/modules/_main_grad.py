@@ -17,11 +17,7 @@ class _AccumulateIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         weight = ctx.weight
         weight.main_grad.add_(grad)
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None  # `.grad` stays None, as TransformerEngine leaves it
-        # megatron's protocol: the flag tells its DDP hook not to add `.grad` again; TE hands autograd an
-        # unused buffer (zeros when the parameter asks for them with `zero_out_wgrad`)
-        return placeholder_grad(weight)
+        return grad_after_main_grad(weight)
 
 
 def placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -34,15 +30,15 @@ def placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(weight)
 
 
-def weight_for_gemm(weight: torch.Tensor, fuse_wgrad_accumulation: bool, owner: str, name: str) -> torch.Tensor:
-    """`weight` as the module's GEMM should see it: itself, or (with `fuse_wgrad_accumulation` and a gradient
-    to compute) a view whose gradient goes into `weight.main_grad`.
+def accumulates_into_main_grad(weight: torch.Tensor, fuse_wgrad_accumulation: bool, owner: str, name: str) -> bool:
+    """Whether this call's weight gradient goes into `weight.main_grad` (fused accumulation asked for and a
+    gradient to compute), after checking that the buffer exists.
 
     Raises:
         RuntimeError: fused accumulation without a `main_grad` of the weight's shape on the weight.
     """
     if not fuse_wgrad_accumulation or not (torch.is_grad_enabled() and weight.requires_grad):
-        return weight
+        return False
     main_grad = getattr(weight, "main_grad", None)
     if not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape:
         found = "none" if main_grad is None else f"shape {tuple(getattr(main_grad, 'shape', ()))}"
@@ -50,4 +46,68 @@ def weight_for_gemm(weight: torch.Tensor, fuse_wgrad_accumulation: bool, owner: 
             f"{owner}(fuse_wgrad_accumulation=True): parameter {name!r} needs a `main_grad` tensor of its shape "
             f"{tuple(weight.shape)} (megatron's DistributedDataParallel allocates it; otherwise set "
             f"`param.main_grad = torch.zeros_like(param, dtype=torch.float32)`), found {found}")
+    return True
+
+
+def grad_after_main_grad(weight: torch.Tensor):
+    """What autograd gets for `weight` once its gradient is in `main_grad`: None, or under megatron's protocol
+    (the parameter has `grad_added_to_main_grad`) the flag set and `placeholder_grad`, as TransformerEngine."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None  # `.grad` stays None, as TransformerEngine leaves it
+    return placeholder_grad(weight)
+
+
+def weight_for_gemm(weight: torch.Tensor, fuse_wgrad_accumulation: bool, owner: str, name: str) -> torch.Tensor:
+    """`weight` as the module's GEMM should see it: itself, or (with `fuse_wgrad_accumulation` and a gradient
+    to compute) a view whose gradient goes into `weight.main_grad` (for modules whose GEMM does not take the
+    buffer itself; see `fp8_linear`'s `fuse_wgrad_accumulation`).
+
+    Raises:
+        RuntimeError: fused accumulation without a `main_grad` of the weight's shape on the weight.
+    """
+    if not accumulates_into_main_grad(weight, fuse_wgrad_accumulation, owner, name):
+        return weight
     return _AccumulateIntoMainGrad.apply(weight)
+
+
+def add_weight_gradient(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    """`main_grad += grad_out.T @ inp` (2-d operands) with float32 accumulation and one rounding into
+    `main_grad`'s dtype, as megatron's fused weight-gradient accumulation: on CUDA one GEMM that adds into the
+    buffer (cuBLAS with beta 1)."""
+    if grad_out.dtype == main_grad.dtype == inp.dtype:
+        main_grad.addmm_(grad_out.t(), inp)
+    elif grad_out.is_cuda and main_grad.dtype == torch.float32 and grad_out.dtype == inp.dtype:
+        torch.addmm(main_grad, grad_out.t(), inp, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.add_(grad_out.t().float() @ inp.float())
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """`F.linear` in the input's dtype whose weight gradient is added into `weight.main_grad`
+    (`add_weight_gradient`) instead of returned: the high-precision path of a linear with fused accumulation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias):
+        ctx.weight = weight
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(x)
+        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g2 @ weight.to(g2.dtype)).reshape(x.shape)
+        add_weight_gradient(weight.main_grad, g2, x.reshape(-1, x.shape[-1]))
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_after_main_grad(weight), grad_b
+
+
+def linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """`x @ weight.T + bias` in `x`'s dtype, the weight's gradient added into `weight.main_grad` (see
+    `_LinearIntoMainGrad`)."""
+    return _LinearIntoMainGrad.apply(x, weight, bias)

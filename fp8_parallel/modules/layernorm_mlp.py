@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._core import FP8State, fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
-from ._main_grad import weight_for_gemm
+from ._main_grad import accumulates_into_main_grad
 from ._te_options import (check_input, check_te_options, in_autocast_dtype, init_weight, resolve_device,
                           resolve_dtype)
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
@@ -200,13 +200,13 @@ class LayerNormMLP(DelayedWgradMethods, torch.nn.Module):
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
         total = self.tp.column_input(ln_out)
-        fc1_weight, fc2_weight = (weight_for_gemm(w, self.fuse_wgrad_accumulation, "LayerNormMLP", name)
-                                  for w, name in ((self.fc1_weight, "fc1_weight"), (self.fc2_weight, "fc2_weight")))
-        h = fp8_linear(total, fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch,
-                       wgrad_store=self._wgrad_store("fc1_weight"))
+        fuse1, fuse2 = (accumulates_into_main_grad(w, self.fuse_wgrad_accumulation, "LayerNormMLP", name)
+                        for w, name in ((self.fc1_weight, "fc1_weight"), (self.fc2_weight, "fc2_weight")))
+        h = fp8_linear(total, self.fc1_weight, self.fc1_bias, self.fc1_fp8, is_first_microbatch,
+                       wgrad_store=self._wgrad_store("fc1_weight"), fuse_wgrad_accumulation=fuse1)
         h = activate(self.activation, h, self.activation_params)
-        out = fp8_linear(h, fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch,
-                         wgrad_store=self._wgrad_store("fc2_weight"))
+        out = fp8_linear(h, self.fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch,
+                         wgrad_store=self._wgrad_store("fc2_weight"), fuse_wgrad_accumulation=fuse2)
         return out, ln_out, total
 
     def forward(

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ._core import fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
-from ._main_grad import weight_for_gemm
+from ._main_grad import accumulates_into_main_grad
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, in_autocast_dtype, resolve_device,
     resolve_dtype,
@@ -106,9 +106,11 @@ class Linear(DelayedWgradMethods, torch.nn.Module):
             else:
                 mark_sequence_parallel([self.bias], self.tp.sequence_parallel)
 
-    def gemm_weight(self) -> torch.Tensor:
-        """The weight as the GEMM uses it (with `fuse_wgrad_accumulation`, its gradient goes to `main_grad`)."""
-        return weight_for_gemm(self.weight, self.fuse_wgrad_accumulation, type(self).__name__, "weight")
+    def gemm_weight(self) -> Tuple[torch.Tensor, bool]:
+        """The weight as the GEMM uses it, and whether its gradient goes into `weight.main_grad` there
+        (`fuse_wgrad_accumulation`)."""
+        fuse = accumulates_into_main_grad(self.weight, self.fuse_wgrad_accumulation, type(self).__name__, "weight")
+        return self.weight, fuse
 
     def set_tensor_parallel_group(self, tp_group: Optional[dist.ProcessGroup]) -> None:
         """Set the tensor-parallel group (TransformerEngine's method), for a module built with `tp_size`."""
@@ -130,8 +132,9 @@ class Linear(DelayedWgradMethods, torch.nn.Module):
         bias = self.bias if not self.return_bias and not row else None
         if self.tp.mode == "column":
             inp = self.tp.column_input(inp)
-        out = fp8_linear(inp, self.gemm_weight(), bias, self.fp8, is_first_microbatch,
-                         wgrad_store=self._wgrad_store("weight"))
+        weight, fuse = self.gemm_weight()
+        out = fp8_linear(inp, weight, bias, self.fp8, is_first_microbatch,
+                         wgrad_store=self._wgrad_store("weight"), fuse_wgrad_accumulation=fuse)
         if row:
             out = self.tp.row_output(out)
             if self.bias is not None and not self.return_bias:

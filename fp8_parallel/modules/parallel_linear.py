@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from ._core import FP8State, fp8_linear, history_len_of
+from ._main_grad import accumulates_into_main_grad
 
 
 def _first_microbatch(module, explicit: Optional[bool]) -> Optional[bool]:
@@ -43,13 +44,33 @@ def _wgrad_in_fp8(config) -> bool:
     return getattr(config, "fp8_wgrad", True)
 
 
-class ColumnParallelLinear(mtp.ColumnParallelLinear):
+class _FusedWgradAccumulation:
+    """`fuse_wgrad_accumulation`: the weight gradient is accumulated in float32 and added into the weight's
+    `main_grad` in the GEMM (megatron's `gradient_accumulation_fusion`, here without apex; under megatron's
+    DistributedDataParallel its hook then adds nothing). None (the default) follows
+    `config.gradient_accumulation_fusion`; megatron's own layers (GPTModel's output layer) refuse that field
+    without apex, so set the attribute instead, e.g. with `fp8_parallel.megatron.fuse_wgrad_accumulation`. Only
+    the layer's own weight takes part (not one passed to `forward`)."""
+
+    fuse_wgrad_accumulation: Optional[bool] = None
+
+    def _into_main_grad(self, weight) -> bool:
+        fuse = self.fuse_wgrad_accumulation
+        if fuse is None:
+            fuse = bool(getattr(self, "gradient_accumulation_fusion", False))
+        return accumulates_into_main_grad(weight, fuse and weight is self.weight, type(self).__name__, "weight")
+
+
+class ColumnParallelLinear(_FusedWgradAccumulation, mtp.ColumnParallelLinear):
     """megatron-core `ColumnParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope.
 
     `fp8_input_gather = True` (off by default): with sequence parallelism and delayed scaling, cast the input
     shard to FP8 before the all-gather, so FP8 bytes travel (half of bf16's), when the scope's amax domain
     covers TP. It pays only where the link is slow: on two NVLink-connected H200s the extra transpose pass
     after the gather cost more than the halved traffic saved (docs/benchmarks.md).
+
+    `fuse_wgrad_accumulation` (None: `config.gradient_accumulation_fusion`): the weight gradient goes into
+    `weight.main_grad` in the GEMM, as megatron's `gradient_accumulation_fusion` does with apex.
     """
 
     fp8_input_gather: bool = False
@@ -67,19 +88,23 @@ class ColumnParallelLinear(mtp.ColumnParallelLinear):
         return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
 
     def _forward_impl(self, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, **_):
+        fuse = self._into_main_grad(weight)
         if sequence_parallel:
             if self.fp8_input_gather:  # FP8 bytes where the scales allow it, else megatron's bf16 gather
                 return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config),
                                   sp_group=tp_group, hp_gather=lambda t: gather_from_sequence_parallel_region(
-                                      t, tensor_parallel_output_grad=True, group=tp_group))
+                                      t, tensor_parallel_output_grad=True, group=tp_group),
+                                  fuse_wgrad_accumulation=fuse)
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config))
+        return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config),
+                          fuse_wgrad_accumulation=fuse)
 
 
-class RowParallelLinear(mtp.RowParallelLinear):
-    """megatron-core `RowParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope."""
+class RowParallelLinear(_FusedWgradAccumulation, mtp.RowParallelLinear):
+    """megatron-core `RowParallelLinear` computing its GEMMs in FP8 inside an FP8 autocast scope
+    (`fuse_wgrad_accumulation`: as for `ColumnParallelLinear`)."""
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
@@ -93,4 +118,5 @@ class RowParallelLinear(mtp.RowParallelLinear):
         return super().forward(input_)
 
     def _forward_impl(self, input, weight, bias, **_):
-        return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config))
+        return fp8_linear(input, weight, bias, self.fp8, self._first, _wgrad_in_fp8(self.config),
+                          fuse_wgrad_accumulation=self._into_main_grad(weight))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ._core import fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
-from ._main_grad import weight_for_gemm
+from ._main_grad import accumulates_into_main_grad
 from ._te_options import (
     add_linear_parameters, check_forward_options, check_input, check_te_options, in_autocast_dtype, resolve_device,
     resolve_dtype,
@@ -110,9 +110,11 @@ class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
             mark_partitioned(self.weight, 0)
             mark_partitioned(self.bias, 0)
 
-    def gemm_weight(self) -> torch.Tensor:
-        """The weight as the GEMM uses it (with `fuse_wgrad_accumulation`, its gradient goes to `main_grad`)."""
-        return weight_for_gemm(self.weight, self.fuse_wgrad_accumulation, type(self).__name__, "weight")
+    def gemm_weight(self) -> Tuple[torch.Tensor, bool]:
+        """The weight as the GEMM uses it, and whether its gradient goes into `weight.main_grad` there
+        (`fuse_wgrad_accumulation`)."""
+        fuse = accumulates_into_main_grad(self.weight, self.fuse_wgrad_accumulation, type(self).__name__, "weight")
+        return self.weight, fuse
 
     def set_tensor_parallel_group(self, tp_group: Optional[dist.ProcessGroup]) -> None:
         """Set the tensor-parallel group (TransformerEngine's method), for a module built with `tp_size`."""
@@ -132,8 +134,9 @@ class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                            self.zero_centered_gamma)
         total = self.tp.column_input(ln_out)
-        out = fp8_linear(total, self.gemm_weight(), None if self.return_bias else self.bias, self.fp8, is_first_microbatch,
-                         wgrad_store=self._wgrad_store("weight"))
+        weight, fuse = self.gemm_weight()
+        out = fp8_linear(total, weight, None if self.return_bias else self.bias, self.fp8, is_first_microbatch,
+                         wgrad_store=self._wgrad_store("weight"), fuse_wgrad_accumulation=fuse)
         extra = []
         if self.return_bias:
             extra.append(None if self.bias is None else self.bias.to(out.dtype))

@@ -127,12 +127,13 @@ class _SplitParameters:
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         return self._joined("weight")
 
-    def gemm_weight(self) -> torch.Tensor:
-        """The joined weight, each part's gradient into its own `main_grad` with `fuse_wgrad_accumulation`."""
+    def gemm_weight(self) -> Tuple[torch.Tensor, bool]:
+        """The joined weight, each part's gradient into its own `main_grad` with `fuse_wgrad_accumulation`
+        (added by the parts' views, not by the GEMM)."""
         owner = next(c.__name__ for c in type(self).__mro__ if not c.__name__.startswith("_"))
         parts = [weight_for_gemm(self._parameters[f"{part}_weight"], self.fuse_wgrad_accumulation, owner,
                                  f"{part}_weight") for part in self._parts]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)), False
 
     @weight.setter
     def weight(self, value: Optional[torch.nn.Parameter]) -> None:

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 master weights")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
+                   help="as megatron's: weight gradients go through autograd and DDP's hooks instead of being "
+                        "added into DDP's float32 buffers by the layers' GEMMs (the default here needs no apex)")
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("fp8")

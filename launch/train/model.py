@@ -28,7 +28,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from fp8_parallel.megatron import get_gpt_block_spec, recipe_from_config
+from fp8_parallel.megatron import fuse_wgrad_accumulation, get_gpt_block_spec, recipe_from_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +156,12 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> List[torch.
     # DDP's gradient hooks sit on each parameter's accumulator node, made here: on a side stream, so that a
     # backward captured into a CUDA graph (--cuda-graph) never has to make the default stream wait on it
     with torch.cuda.stream(torch.cuda.Stream()) if torch.cuda.is_available() else contextlib.nullcontext():
-        return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-                for i, chunk in enumerate(chunks)]
+        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+                   for i, chunk in enumerate(chunks)]
+    if not args.no_gradient_accumulation_fusion:  # our layers add their weight gradients into DDP's buffers
+        for chunk in wrapped:
+            fuse_wgrad_accumulation(chunk)
+    return wrapped
 
 
 def use_fused_torch_adam(optimizer, fused: bool = True) -> int:

@@ -139,6 +139,47 @@ def check_tp_matches_single_rank(sp: bool):
     return check
 
 
+def check_fused_wgrad_accumulation_under_ddp():
+    """Our TP2 linears under megatron's DistributedDataParallel with `fuse_wgrad_accumulation` (set by
+    `fp8_parallel.megatron.fuse_wgrad_accumulation`): after two microbatches each main_grad equals that of the
+    same model without fusion (float32 parameters: float32 rounding apart), with FP8 (delayed) and with FP8
+    off; the weights' protocol flags are set and their `.grad` is None after DDP's hooks; biases go through
+    autograd as before."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from fp8_parallel.megatron import fuse_wgrad_accumulation
+
+    config = _mlp_config(False)
+    grads = {}
+    for fuse in (False, True):
+        torch.manual_seed(test_seed() % 1000)
+        fc1, fc2 = _tp_mlp(config)
+        with ps.cpu_compat():
+            ddp = DistributedDataParallel(config=config, module=torch.nn.ModuleList([fc1, fc2]),
+                                          ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+        if fuse:
+            assert fuse_wgrad_accumulation(ddp) == 2
+        for recipe in (fp.DelayedScaling(amax_history_len=4), None):
+            ddp.zero_grad_buffer()
+            gen = torch.Generator().manual_seed(test_seed())
+            for _ in range(2):
+                x = torch.randn(TOKENS // 2, 2, D, generator=gen)
+                with ps.cpu_compat(), fp.autocast(enabled=recipe is not None, recipe=recipe or fp.DelayedScaling(),
+                                                  group=ps.dense_amax_group()):
+                    h, _ = fc1(x)
+                    y, _ = fc2(torch.nn.functional.gelu(h))
+                with ps.cpu_compat():
+                    (y.float() ** 2).sum().backward()
+            for p in (fc1.weight, fc2.weight):
+                assert p.grad is None and p.grad_added_to_main_grad == fuse, (fuse, recipe)
+            assert not fc1.bias.grad_added_to_main_grad
+            grads[fuse, recipe is None] = [p.main_grad.clone() for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    for fp8_off in (False, True):
+        for i, (a, b) in enumerate(zip(grads[True, fp8_off], grads[False, fp8_off])):
+            assert a.abs().sum() > 0, (fp8_off, i)
+            _assert_rel(a, b, 1e-6, f"main_grad {i} (fp8 off: {fp8_off})")
+
+
 def check_sp_fp8_gather_equals_bf16_gather():
     """Sequence parallel with delayed scaling gathers FP8 bytes (uint8) instead of bf16: outputs, gradients
     and FP8 state are bitwise those of the high-precision gather; a scope whose amax domain does not cover TP
@@ -526,6 +567,7 @@ if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that
             ("sp_fp8_gather_equals_bf16_gather", check_sp_fp8_gather_equals_bf16_gather),
             ("weight_caching", check_weight_caching),
             ("state_dict_tp2_to_tp1", check_state_dict_round_trip_and_tp2_to_tp1),
+            ("fused_wgrad_accumulation_under_ddp", check_fused_wgrad_accumulation_under_ddp),
         ]
     elif MODE == "ep":
         ps.initialize(ep=2)

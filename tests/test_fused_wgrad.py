@@ -1,0 +1,176 @@
+"""Fused weight-gradient accumulation (`fp8_linear(..., fuse_wgrad_accumulation=True)`, megatron's
+`gradient_accumulation_fusion`, TransformerEngine's `fuse_wgrad_accumulation`): the weight gradient is
+accumulated in float32 and added into `weight.main_grad`, with megatron's protocol flag and placeholder.
+
+The reference is the same call without fusion, whose gradient is rounded to the parameter's dtype before it
+would be added: with float32 parameters the two agree to float32 rounding; with bf16 / fp16 parameters the
+fused result is the more exact one, checked against a float64 sum of the unrounded gradients.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8_parallel as fp
+from fp8_parallel.modules import FP8State, fp8_linear
+from fp8_parallel.modules._main_grad import add_weight_gradient
+from te_testing import rel_error, seed_for
+
+RECIPES = {"hp": None, "delayed": fp.DelayedScaling(amax_history_len=4), "current": fp.Float8CurrentScaling()}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _steps(weight, state, recipe, batches, fuse: bool, cached: bool):
+    """Two microbatches per batch through `fp8_linear`; returns outputs, input gradients and, per call, the
+    weight gradient autograd got (float32), or what was added into main_grad."""
+    outs, wgrads = [], []
+    for i, (x, dy) in enumerate(batches):
+        xr = (x * 1.0).requires_grad_() if i % 2 else x.clone().requires_grad_()  # leaf and activation inputs
+        before = weight.main_grad.clone() if fuse else None
+        with fp.autocast(enabled=recipe is not None, recipe=recipe or fp.DelayedScaling(), group=None):
+            y = fp8_linear(xr, weight, None, state, is_first_microbatch=(i % 2 == 0) if cached else None,
+                           fuse_wgrad_accumulation=fuse)
+        y.backward(dy)
+        outs += [y.detach(), xr.grad]
+        if fuse:
+            assert weight.grad_added_to_main_grad, "the protocol flag is set"
+            wgrads.append((weight.main_grad - before).float())
+            weight.grad = None  # megatron's DDP hook: the placeholder is dropped
+        else:
+            wgrads.append(weight.grad.float())
+            weight.grad = None
+    return outs, wgrads
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_accumulation_adds_the_weight_gradient(rname, dtype, main_dtype, cached, device):
+    seed = seed_for(f"fused_wgrad/{rname}/{dtype}/{main_dtype}/{cached}/{device}")
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("float16 GEMMs on the CPU are not what this checks")
+    gen = torch.Generator().manual_seed(seed)
+    recipe = RECIPES[rname]
+    w0 = torch.randn(48, 64, generator=gen) / 8
+    batches = [((torch.randn(32, 64, generator=gen) * 2).to(device, dtype), torch.randn(32, 48, generator=gen).to(device, dtype))
+               for _ in range(4)]
+    start = torch.randn(48, 64, generator=gen).to(device, main_dtype)
+    results = {}
+    for fuse in (True, False):
+        weight = torch.nn.Parameter(w0.to(device, dtype))
+        weight.main_grad = start.clone()
+        weight.grad_added_to_main_grad = False
+        state = FP8State("t", device=torch.device(device))
+        results[fuse] = _steps(weight, state, recipe, batches, fuse, cached), weight
+    (outs_f, wg_f), wf = results[True]
+    (outs_u, wg_u), _ = results[False]
+    for a, b in zip(outs_f, outs_u):  # fusion changes nothing but where the weight gradient goes
+        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(wg_f, wg_u)):
+        # unfused: rounded to the parameter's dtype; fused: float32 (rounded once into main_grad's dtype)
+        tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        if main_dtype == torch.bfloat16:
+            tol = max(tol, 1e-2)  # the difference of two bf16 main_grad states
+        assert rel_error(a, b) < tol, (i, rel_error(a, b))
+    total = start.double() + sum(b.double() for b in wg_u)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    if main_dtype == torch.bfloat16:
+        tol = 1e-2
+    assert wf.main_grad.dtype == main_dtype
+    assert rel_error(wf.main_grad, total) < tol, rel_error(wf.main_grad, total)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_accumulation_protocol_and_errors(device):
+    """Without megatron's attribute autograd gets no gradient (`.grad` stays None, as TransformerEngine); with
+    it, the flag and a placeholder of the weight's shape; `zero_out_wgrad` gives zeros. A missing or misshapen
+    `main_grad` is an error naming the parameter's shape, from the modules' check."""
+    from fp8_parallel.modules._main_grad import accumulates_into_main_grad
+
+    seed = seed_for(f"fused_wgrad/protocol/{device}")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 32, generator=gen).to(device)
+    for attr, zero in ((False, False), (True, False), (True, True)):
+        weight = torch.nn.Parameter((torch.randn(48, 32, generator=gen) / 6).to(device))
+        weight.main_grad = torch.zeros(48, 32, device=device)
+        if attr:
+            weight.grad_added_to_main_grad = False
+        if zero:
+            weight.zero_out_wgrad = True
+        with fp.autocast(recipe=fp.DelayedScaling(), group=None):
+            y = fp8_linear(x, weight, None, FP8State("t", device=torch.device(device)), fuse_wgrad_accumulation=True)
+        y.sum().backward()
+        assert weight.main_grad.abs().sum() > 0
+        if not attr:
+            assert weight.grad is None
+        else:
+            assert weight.grad_added_to_main_grad and weight.grad.shape == weight.shape
+            if zero:
+                assert not weight.grad.any()
+    weight = torch.nn.Parameter(torch.randn(48, 32, device=device))
+    with pytest.raises(RuntimeError, match=r"needs a `main_grad` tensor of its shape \(48, 32\).*found none"):
+        accumulates_into_main_grad(weight, True, "ColumnParallelLinear", "weight")
+    weight.main_grad = torch.zeros(32, 48, device=device)
+    with pytest.raises(RuntimeError, match=r"found shape \(32, 48\)"):
+        accumulates_into_main_grad(weight, True, "ColumnParallelLinear", "weight")
+    with torch.no_grad():
+        assert not accumulates_into_main_grad(weight, True, "ColumnParallelLinear", "weight")  # nothing to add
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+def test_add_weight_gradient_on_cuda_matches_float64(in_dtype, main_dtype):
+    """The high-precision path's one-GEMM accumulation (cuBLAS adding into the buffer) against float64."""
+    seed = seed_for(f"add_weight_gradient/{in_dtype}/{main_dtype}")
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(300, 96, generator=gen).to("cuda", in_dtype)
+    x = torch.randn(300, 80, generator=gen).to("cuda", in_dtype)
+    start = torch.randn(96, 80, generator=gen).to("cuda", main_dtype)
+    acc = start.clone()
+    add_weight_gradient(acc, g, x)
+    want = start.double() + g.double().t() @ x.double()
+    tol = 1e-5 if main_dtype == torch.float32 else 8e-3
+    if in_dtype == torch.float32 and main_dtype == torch.float32:
+        tol = 1e-4  # TF32 may be on for float32 GEMMs
+    assert acc.dtype == main_dtype and rel_error(acc, want) < tol, rel_error(acc, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 4, 1], ids=["aligned", "16B", "4B"])
+def test_native_fused_accumulation_into_a_buffer_view(offset):
+    """The compiled wgrad GEMM adding into a `main_grad` that is a view inside a larger buffer (megatron's grad
+    buffer) at 256-, 16- and 4-byte alignment (the last through the unfused fallback): the same result as the
+    Python path (an FP8 GEMM to float32, then the add), and the buffer outside the view untouched."""
+    from fp8_parallel import native
+
+    ext = native.module()
+    if ext is None or not ext.with_cuda:
+        pytest.skip("the CUDA extension is not built")
+    seed = seed_for(f"native_fused/{offset}")
+    gen = torch.Generator().manual_seed(seed)
+    w0 = (torch.randn(256, 512, generator=gen) / 20).to("cuda", torch.bfloat16)
+    x = torch.randn(128, 512, generator=gen).to("cuda", torch.bfloat16)
+    dy = torch.randn(128, 256, generator=gen).to("cuda", torch.bfloat16)
+    fill = torch.randn(offset + 256 * 512 + 64, generator=gen).to("cuda")
+    got = {}
+    for use in (ext, None):
+        previous = native.use(use)
+        try:
+            buf = fill.clone()
+            weight = torch.nn.Parameter(w0.clone())
+            weight.main_grad = buf[offset : offset + 256 * 512].view(256, 512)
+            weight.grad_added_to_main_grad = False
+            with fp.autocast(recipe=fp.DelayedScaling(), group=None):
+                y = fp8_linear(x, weight, None, FP8State("t", device=torch.device("cuda")), fuse_wgrad_accumulation=True)
+            y.backward(dy)
+            got[use is not None] = buf
+        finally:
+            native.use(previous)
+    a, b = got[True], got[False]
+    assert torch.equal(a[:offset], fill[:offset]) and torch.equal(a[offset + 256 * 512 :], fill[offset + 256 * 512 :])
+    # the epilogue's add may round as one fused multiply-add: float32 rounding apart
+    assert rel_error(a, b) < 1e-6, rel_error(a, b)
+    assert not torch.equal(a, fill)

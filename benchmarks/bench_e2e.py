@@ -350,8 +350,52 @@ def _profile(step: Callable[[], float], device: str, top: int = 12
     return (busy_us / 1e3 if kernels else float("nan")), by_cat, top, _idle_by_phase(prof, busy)
 
 
-def _host_profile(step: Callable[[], object], device: str, variant: str, rows: int) -> None:
-    """Where one step's host time goes: cProfile of one step, the top `rows` functions by own time."""
+def _print_pools(when: str) -> None:
+    """Reserved and allocated memory per allocator pool (the ordinary one and each graph pool), from the
+    allocator's snapshot: where a graphed step's reserve sits."""
+    pools: Dict[tuple, List[float]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        entry = pools.setdefault(pool, [0.0, 0.0, 0, 0.0])
+        entry[0] += seg["total_size"] / 2**30
+        entry[1] += seg["allocated_size"] / 2**30
+        entry[2] += 1
+        entry[3] = max(entry[3], seg["total_size"] / 2**30)
+    for pool, (reserved, allocated, count, largest) in sorted(pools.items()):
+        kind = "ordinary" if pool == (0, 0) else f"graph pool {pool}"
+        print(f"memory {when}: {kind}: reserved {reserved:.2f} GiB, allocated {allocated:.2f} GiB, "
+              f"{count} segments (largest {largest:.2f} GiB)", flush=True)
+
+
+class _GcTimer:
+    """Counts Python's garbage collections and their time per generation while active (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def __enter__(self) -> "_GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def describe(self, steps: int) -> str:
+        return ", ".join(f"gen{g} {self.count[g] / steps:.1f}x {self.seconds[g] * 1e3 / steps:.1f} ms" for g in range(3)) + " per step"
+
+
+def _host_profile(step: Callable[[], object], device: str, variant: str, rows: int, dump: str = "") -> None:
+    """Where one step's host time goes: cProfile of one step, the top `rows` functions by own time (and the
+    raw statistics written to `dump`-<variant>.prof for `pstats`, when given)."""
     import cProfile
     import pstats
 
@@ -363,6 +407,8 @@ def _host_profile(step: Callable[[], object], device: str, variant: str, rows: i
     prof.disable()
     print(f"---- host profile of one step: {LABELS[variant]}")
     pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+    if dump:
+        prof.dump_stats(f"{dump}-{variant}.prof")
 
 
 def _peaks(device: str) -> Tuple[float, float]:
@@ -438,6 +484,8 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
             model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
             fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=knobs.weight_cache)
         forward_step = graphed.forward_step(forward_step)
+        if args.memory_pools:
+            _print_pools("after capture")
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -461,17 +509,29 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     for _ in range(args.warmup - 1):
         step()
     times = []
-    for _ in range(args.steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    if args.manual_gc:  # as Megatron-LM's --manual-gc: no threshold collections inside the timed steps
+        gc.collect()
+        gc.disable()
+    with _GcTimer() as gc_time:
+        for _ in range(args.steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            if args.manual_gc:
+                gc.collect()  # between steps, not timed
+    if args.manual_gc:
+        gc.enable()
     peak_alloc, peak_reserved = _peaks(device)
+    if args.memory_pools and device == "cuda":
+        _print_pools("after the timed steps")
     if args.host_profile:
-        _host_profile(step, device, variant, args.host_profile)
+        _host_profile(step, device, variant, args.host_profile, args.host_profile_dump)
     busy, by_cat, top, idle = _profile(step, device, args.top)
     wall = statistics.median(times)
+    print(f"{LABELS[variant]}: python garbage collection during the timed steps: {gc_time.describe(args.steps)}",
+          flush=True)
     result = dict(variant=variant, wall_ms=wall, wall_range_ms=(min(times), max(times)), busy_ms=busy, tokens_s=size.tokens / (wall / 1e3),
                   tflops=size.model_flops() / (wall / 1e3) / 1e12, peak_alloc=peak_alloc,
                   peak_reserved=peak_reserved, loss=first_loss, by_cat=by_cat, top=top, idle=idle,
@@ -606,6 +666,13 @@ def main(argv: List[str]) -> None:
     p.add_argument("--top", type=int, default=12, help="kernels listed per variant in the device profile")
     p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
                    help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
+    p.add_argument("--memory-pools", action="store_true",
+                   help="print reserved / allocated memory per allocator pool after graph capture and the timed steps")
+    p.add_argument("--manual-gc", action="store_true",
+                   help="as Megatron-LM's --manual-gc: Python's threshold garbage collection off during the timed "
+                        "steps, one collection after each (untimed)")
+    p.add_argument("--host-profile-dump", default="", metavar="PREFIX",
+                   help="with --host-profile: also write each variant's statistics to PREFIX-<variant>.prof")
     args = p.parse_args(argv)
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     skipped = {"local"} if layout.parallel or args.experts else set()

@@ -229,18 +229,22 @@ def get_gpt_block_spec(config, num_experts: Optional[int] = None, vp_stage: Opti
 
 
 def fuse_wgrad_accumulation(model, enabled: bool = True) -> int:
-    """Set `fuse_wgrad_accumulation` on every linear of this package in `model`: their weight gradients are
-    accumulated in float32 and added into `main_grad` in the GEMM (megatron's `gradient_accumulation_fusion`,
-    which megatron's own layers accept only with apex). For a model wrapped in megatron's
-    DistributedDataParallel, whose buffers the layers then write. Returns the number of layers set.
+    """Set `fuse_wgrad_accumulation = enabled` on every linear of this package in `model`: their weight
+    gradients are accumulated in float32 and added into `main_grad` in the GEMM (megatron's
+    `gradient_accumulation_fusion`, which megatron's layers accept only with apex). For a model wrapped in
+    megatron's DistributedDataParallel, before or after wrapping: its buffers must exist at the first training
+    forward. Returns the number of layers set.
 
     Raises:
-        RuntimeError: later, at a training forward, from a layer whose weight has no `main_grad`.
+        RuntimeError: later, at a training forward, from a layer whose weight has no `main_grad` (naming the
+        weight by its name in `model`).
     """
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if hasattr(type(module), "fuse_wgrad_accumulation") or (
                 type(module).__module__.startswith("fp8_parallel.") and hasattr(module, "fuse_wgrad_accumulation")):
             module.fuse_wgrad_accumulation = enabled
+            if hasattr(type(module), "fused_wgrad_name"):
+                module.fused_wgrad_name = f"{name}.weight" if name else "weight"
             count += 1
     return count

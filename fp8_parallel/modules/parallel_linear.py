@@ -48,17 +48,20 @@ class _FusedWgradAccumulation:
     """`fuse_wgrad_accumulation`: the weight gradient is accumulated in float32 and added into the weight's
     `main_grad` in the GEMM (megatron's `gradient_accumulation_fusion`, here without apex; under megatron's
     DistributedDataParallel its hook then adds nothing). None (the default) follows
-    `config.gradient_accumulation_fusion`; megatron's own layers (GPTModel's output layer) refuse that field
-    without apex, so set the attribute instead, e.g. with `fp8_parallel.megatron.fuse_wgrad_accumulation`. Only
-    the layer's own weight takes part (not one passed to `forward`)."""
+    `config.gradient_accumulation_fusion`, which megatron accepts only with apex (its constructors, which ours
+    inherit, and GPTModel's output layer refuse it otherwise); without apex set the attribute, e.g. with
+    `fp8_parallel.megatron.fuse_wgrad_accumulation`. Only the layer's own weight takes part (not one passed
+    to `forward`)."""
 
     fuse_wgrad_accumulation: Optional[bool] = None
+    fused_wgrad_name: Optional[str] = None  # the weight's full name in its model, for errors (set by the helper)
 
     def _into_main_grad(self, weight) -> bool:
         fuse = self.fuse_wgrad_accumulation
         if fuse is None:
             fuse = bool(getattr(self, "gradient_accumulation_fusion", False))
-        return accumulates_into_main_grad(weight, fuse and weight is self.weight, type(self).__name__, "weight")
+        return accumulates_into_main_grad(weight, fuse and weight is self.weight, type(self).__name__,
+                                          self.fused_wgrad_name or "weight")
 
 
 class ColumnParallelLinear(_FusedWgradAccumulation, mtp.ColumnParallelLinear):

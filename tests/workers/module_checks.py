@@ -178,6 +178,16 @@ def check_fused_wgrad_accumulation_under_ddp():
         for i, (a, b) in enumerate(zip(grads[True, fp8_off], grads[False, fp8_off])):
             assert a.abs().sum() > 0, (fp8_off, i)
             _assert_rel(a, b, 1e-6, f"main_grad {i} (fp8 off: {fp8_off})")
+    # a weight without main_grad (no DDP): the training forward names it by its name in the model
+    bare = torch.nn.ModuleList(_tp_mlp(config))
+    assert fuse_wgrad_accumulation(bare) == 2
+    try:
+        with ps.cpu_compat():
+            bare[1](torch.randn(TOKENS // 2, 2, F // ps.get_size("tp")))
+    except RuntimeError as err:
+        assert "RowParallelLinear(fuse_wgrad_accumulation=True): parameter '1.weight'" in str(err), err
+    else:
+        raise AssertionError("fused accumulation without main_grad did not raise")
 
 
 def check_sp_fp8_gather_equals_bf16_gather():

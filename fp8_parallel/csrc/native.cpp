@@ -251,6 +251,8 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
     check_fp8(xt, "input transpose");
     if (main_grad) {
       const at::ScalarType mt = main_grad->scalar_type();
+      TORCH_CHECK(main_grad->device() == g2.device(), "fp8_parallel native linear: main_grad is on ",
+                  main_grad->device(), ", the gradient on ", g2.device());
       TORCH_CHECK((mt == at::kFloat || mt == at::kBFloat16 || mt == at::kHalf) && main_grad->dim() == 2 &&
                       main_grad->size(0) == N && main_grad->size(1) == xt.size(0),
                   "fp8_parallel native linear: main_grad must be a float32 / bfloat16 / float16 [", N, ", ",

@@ -686,8 +686,8 @@ def fp8_linear(
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         if wgrad_store is not None:
             return high_precision_linear(x, w, bias, wgrad_store)
-        if into and w is weight:
-            return linear_into_main_grad(x, weight, bias)
+        if into:  # `weight` itself, or an FP8 parameter's dequantized value
+            return linear_into_main_grad(x, w, bias, owner=weight)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if is_first_microbatch is None and getattr(plan.key_state, "weight_noop_flag", None) is None:
         ext = _native_linear(x, weight, None, state, plan, wgrad_in_fp8, fp8_gather, wgrad_store)

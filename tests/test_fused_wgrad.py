@@ -158,3 +158,35 @@ def test_high_precision_fused_linear_adds_into_the_owners_main_grad():
     assert rel_error(owner.main_grad, want) < 1e-6 and owner.grad_added_to_main_grad
     assert owner.grad is None and source.grad.shape == source.shape and source.grad.dtype == torch.bfloat16
     torch.testing.assert_close(x.grad.float(), (g.float() @ source.detach().float()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(30, 25), (64, 48)], ids=["unaligned", "aligned"])
+@pytest.mark.parametrize("recompute", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_accumulation_with_recompute_and_unaligned_features(shape, recompute, rname, device):
+    """A TE-style `Linear` with `fuse_wgrad_accumulation` under activation checkpointing (reentrant or not) and
+    with features that are not multiples of 16: main_grad equals the unfused twin's `.grad` (float32
+    parameters: float32 rounding apart), and is added once (a recompute adds nothing of its own)."""
+    from torch.utils.checkpoint import checkpoint
+
+    seed = seed_for(f"fused_wgrad/recompute/{shape}/{recompute}/{rname}/{device}")
+    torch.manual_seed(seed)
+    fin, fout = shape
+    fused = fp.Linear(fin, fout, device=device, fuse_wgrad_accumulation=True)
+    plain = fp.Linear(fin, fout, device=device)
+    plain.load_state_dict(fused.state_dict())
+    fused.weight.main_grad = torch.zeros(fout, fin, device=device)
+    fused.weight.grad_added_to_main_grad = False
+    gen = torch.Generator().manual_seed(seed + 1)
+    recipe = RECIPES[rname]
+    for _ in range(2):
+        x = (torch.randn(21, fin, generator=gen) * 2).to(device)
+        for module in (fused, plain):
+            xr = x.clone().requires_grad_()
+            with fp.autocast(enabled=recipe is not None, recipe=recipe or fp.DelayedScaling(), group=None):
+                y = module(xr) if recompute is None else checkpoint(module, xr, use_reentrant=recompute)
+            y.float().square().sum().backward()
+        fused.weight.grad = None
+    assert rel_error(fused.weight.main_grad, plain.weight.grad) < 1e-5, rel_error(fused.weight.main_grad, plain.weight.grad)
+    assert torch.equal(fused.bias.grad, plain.bias.grad)

@@ -227,7 +227,6 @@ def get_gpt_block_spec(config, num_experts: Optional[int] = None, vp_stage: Opti
     return ModuleSpec(module=FP8TransformerBlock, submodules=FP8BlockSubmodules(layers, layer_norm=Norm))
 
 
-
 def fuse_wgrad_accumulation(model, enabled: bool = True) -> int:
     """Set `fuse_wgrad_accumulation = enabled` on every linear of this package in `model`: their weight
     gradients are accumulated in float32 and added into `main_grad` in the GEMM (megatron's

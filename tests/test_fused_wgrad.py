@@ -25,13 +25,14 @@ def _steps(weight, state, recipe, batches, fuse: bool, cached: bool):
     weight gradient autograd got (float32), or what was added into main_grad."""
     outs, wgrads = [], []
     for i, (x, dy) in enumerate(batches):
-        xr = (x * 1.0).requires_grad_() if i % 2 else x.clone().requires_grad_()  # leaf and activation inputs
+        x0 = x.clone().requires_grad_()
+        xr = x0 * 1.5 if i % 2 else x0  # an activation (its FP8 transpose kept) and a leaf (re-cast in backward)
         before = weight.main_grad.clone() if fuse else None
         with fp.autocast(enabled=recipe is not None, recipe=recipe or fp.DelayedScaling(), group=None):
             y = fp8_linear(xr, weight, None, state, is_first_microbatch=(i % 2 == 0) if cached else None,
                            fuse_wgrad_accumulation=fuse)
         y.backward(dy)
-        outs += [y.detach(), xr.grad]
+        outs += [y.detach(), x0.grad]
         if fuse:
             assert weight.grad_added_to_main_grad, "the protocol flag is set"
             wgrads.append((weight.main_grad - before).float())

@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import dump, record  # noqa: E402
+from memory_report import segment_report, start_recording, stop_recording  # noqa: E402
 
 BENCH = "e2e"
 VARIANTS = ("local", "bf16", "fp8", "fp8_graphs")
@@ -454,6 +455,8 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     from fp8_parallel.megatron import fp8_context, recipe_from_config
 
     device = args.device
+    if args.memory_history and device == "cuda":
+        start_recording()
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     knobs = _knobs(args)
     if layout.parallel:
@@ -484,8 +487,16 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
             model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
             fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=knobs.weight_cache)
         forward_step = graphed.forward_step(forward_step)
+        if args.settle_memory:
+            torch.cuda.empty_cache()  # the eager warm-up's cached blocks
+            if args.settle_memory == "state" and knobs.ddp:
+                from launch.train.model import create_adam_state
+
+                create_adam_state(opt)
         if args.memory_pools:
             _print_pools("after capture")
+        if args.memory_history:
+            segment_report("after capture", args.memory_history)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -526,6 +537,9 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     peak_alloc, peak_reserved = _peaks(device)
     if args.memory_pools and device == "cuda":
         _print_pools("after the timed steps")
+    if args.memory_history and device == "cuda":
+        segment_report("after the timed steps", args.memory_history)
+        stop_recording()
     if args.host_profile:
         _host_profile(step, device, variant, args.host_profile, args.host_profile_dump)
     busy, by_cat, top, idle = _profile(step, device, args.top)
@@ -668,6 +682,12 @@ def main(argv: List[str]) -> None:
                    help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
     p.add_argument("--memory-pools", action="store_true",
                    help="print reserved / allocated memory per allocator pool after graph capture and the timed steps")
+    p.add_argument("--memory-history", type=int, default=0, metavar="ROWS",
+                   help="record the allocator's events per variant and print the ROWS call sites whose segments of "
+                        "the ordinary pool hold the most unused reserve, after graph capture and the timed steps")
+    p.add_argument("--settle-memory", choices=("", "cache", "state"), default="",
+                   help="FP8 + graphs: after capture release the allocator's cached blocks (cache), and also create "
+                        "Adam's state before the first step (state, with --ddp)")
     p.add_argument("--manual-gc", action="store_true",
                    help="as Megatron-LM's --manual-gc: Python's threshold garbage collection off during the timed "
                         "steps, one collection after each (untimed)")

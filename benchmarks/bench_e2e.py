@@ -120,6 +120,7 @@ class Knobs:
     ce_fusion: bool = False  # megatron's cross_entropy_loss_fusion, "native" impl (Megatron-LM: --cross-entropy-loss-fusion)
     fused_adam: bool = False  # with ddp: megatron's torch Adam switched from foreach to fused kernels
     wgrad_fusion: bool = False  # with ddp: our layers add weight gradients into DDP's main_grad in the GEMM
+    foreach_ops: bool = False  # with ddp: megatron's multi-tensor fallbacks (grad norm, scale, copy) on foreach kernels
 
 
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
@@ -159,7 +160,7 @@ def _local_to_ours(name: str) -> str:
 
 def _knobs(args) -> Knobs:
     return Knobs(args.dropout, args.fusions, args.weight_cache, args.fp8_format, args.ddp, args.ce_fusion,
-                 args.fused_adam, args.wgrad_fusion)
+                 args.fused_adam, args.wgrad_fusion, args.foreach_multi_tensor)
 
 
 def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: Layout):
@@ -434,7 +435,7 @@ def _with_ddp(model, cfg, device: str):
     return wrapped if isinstance(model, list) else wrapped[0]
 
 
-def _megatron_optimizer(chunks, fused: bool):
+def _megatron_optimizer(chunks, fused: bool, foreach: bool = False):
     """megatron's Adam on fp32 master weights (bf16 parameters), as the training job builds it."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -445,6 +446,10 @@ def _megatron_optimizer(chunks, fused: bool):
         from launch.train.model import use_fused_torch_adam
 
         use_fused_torch_adam(opt)
+    if foreach:
+        from launch.train.multi_tensor import use_foreach_multi_tensor_ops
+
+        use_foreach_multi_tensor_ops()
     return opt
 
 
@@ -471,7 +476,7 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
 
         for c in chunks:
             fuse_wgrad_accumulation(c)
-    opt = (_megatron_optimizer(chunks, knobs.fused_adam) if knobs.ddp
+    opt = (_megatron_optimizer(chunks, knobs.fused_adam, knobs.foreach_ops) if knobs.ddp
            else torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4, fused=device == "cuda"))
     fp8 = variant.startswith("fp8")
 
@@ -575,6 +580,7 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
     case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
             + (" fused-CE" if knobs.ce_fusion else "") + (" DDP" if knobs.ddp else "")
             + (" fused-Adam" if knobs.fused_adam else "") + (" wgrad-fusion" if knobs.wgrad_fusion else "")
+            + (" foreach-multi-tensor" if knobs.foreach_ops else "")
             + (" expandable-segments" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
                else "")
             + ("" if knobs.weight_cache else " no-weight-cache"))
@@ -657,6 +663,9 @@ def main(argv: List[str]) -> None:
                    help="with --ddp: our layers (FP8 and FP8 off) add their weight gradients into DDP's float32 "
                         "main_grad in the GEMM (megatron's gradient_accumulation_fusion, without apex), as the "
                         "training job does")
+    p.add_argument("--foreach-multi-tensor", action="store_true",
+                   help="with --ddp: megatron's multi-tensor fallbacks (grad norm without a host read per parameter, "
+                        "scale, copy) on torch's foreach kernels, as the training job runs them")
     p.add_argument("--ce-fusion", action="store_true",
                    help="megatron's fused cross entropy (cross_entropy_loss_fusion, native) for every variant")
     p.add_argument("--no-fusions", dest="fusions", action="store_false",

@@ -151,6 +151,79 @@ def test_created_adam_state_trains_like_the_lazy_start(kind, fused, amsgrad):
             assert torch.equal(made[i][name], lazy[i][name]), name
 
 
+def test_foreach_multi_tensor_ops_match_megatrons_fallbacks(monkeypatch):
+    """The foreach versions of megatron's multi-tensor fallbacks: the L2 norm of mixed-dtype tensors equals the
+    norm of their norms (float32 rounding), with per-tensor norms on request and on the tensors' device; scale and
+    copy equal megatron's `dst.copy_(src * scale)` bit for bit (in place too, and with scale 1); megatron's own
+    gradient clipping with them bound gives the float64 norm and clips as without them. Binding is idempotent."""
+    import torch
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    sys.path.insert(0, str(REPO))
+    from launch.train.multi_tensor import foreach_l2_norm, foreach_scale, use_foreach_multi_tensor_ops
+
+    seed = 23
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    flag = torch.zeros(1, dtype=torch.int)
+    tensors = [torch.randn(17, 5), torch.randn(33).to(torch.bfloat16), torch.randn(4, 3, 9), torch.randn(1)]
+    total, per = foreach_l2_norm(0, flag, [tensors], True)
+    expect = torch.tensor([t.double().norm() for t in tensors])
+    assert total.shape == (1,) and total.dtype == torch.float32 and per.shape == (4,)
+    torch.testing.assert_close(per.double(), expect, rtol=1e-2, atol=0)  # the bfloat16 tensor's norm in bfloat16
+    torch.testing.assert_close(total.double(), per.double().norm().reshape(1), rtol=1e-6, atol=0)
+    assert foreach_l2_norm(0, flag, [tensors], False)[1] is None
+    assert torch.equal(foreach_l2_norm(0, flag, [[]], False)[0], torch.zeros(1))
+    fp32 = [t for t in tensors if t.dtype == torch.float32]
+    torch.testing.assert_close(foreach_l2_norm(0, flag, [fp32], False)[0].double(),
+                               torch.cat([t.double().flatten() for t in fp32]).norm().reshape(1), rtol=1e-6, atol=0)
+    for scale in (0.37, 1.0):
+        dsts = [torch.empty_like(t, dtype=torch.bfloat16) for t in fp32]
+        refs = [d.clone() for d in dsts]
+        foreach_scale(0, flag, [fp32, dsts], scale)
+        mutils.local_multi_tensor_scale(0, flag, [fp32, refs], scale)
+        assert all(torch.equal(d, r) for d, r in zip(dsts, refs)), scale
+        same, twins = [t.clone() for t in fp32], [t.clone() for t in fp32]
+        foreach_scale(0, flag, [same, same], scale)
+        mutils.local_multi_tensor_scale(0, flag, [twins, twins], scale)
+        assert all(torch.equal(a, b) for a, b in zip(same, twins)), scale
+    for module, name in ((optimizer, "multi_tensor_scale_impl"), (clip_grads, "multi_tensor_scale_impl"),
+                         (clip_grads, "l2_norm_impl")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    local = clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm
+    replaced = use_foreach_multi_tensor_ops()
+    assert use_foreach_multi_tensor_ops() == []
+    if not local:  # TransformerEngine or apex serve megatron here: nothing to replace
+        assert replaced == []
+        return
+    assert sorted(replaced) == sorted(["megatron.core.optimizer.optimizer.multi_tensor_scale_impl",
+                                       "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
+                                       "megatron.core.optimizer.clip_grads.l2_norm_impl"])
+    import parallel_state as ps
+
+    params = [torch.nn.Parameter(torch.randn(9, 4)), torch.nn.Parameter(torch.randn(6))]
+    grads = [torch.randn_like(p) * 3 for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm64 = torch.cat([g.double().flatten() for g in grads]).norm().item()
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()  # megatron's norm all-reduces over the default group
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with ps.cpu_compat():
+            norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+    finally:
+        if own:
+            dist.destroy_process_group()
+    assert abs(norm - norm64) <= 1e-6 * norm64, (norm, norm64)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g * (1.0 / (norm + 1e-6)), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("argv, world, needle", [
     (["--tensor-model-parallel-size", "3"], 4, "tensor x pipeline x context parallel = 3 x 1 x 1"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--num-layers=3"),

@@ -492,12 +492,6 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
             model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
             fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=knobs.weight_cache)
         forward_step = graphed.forward_step(forward_step)
-        if args.settle_memory:
-            torch.cuda.empty_cache()  # the eager warm-up's cached blocks
-            if args.settle_memory == "state" and knobs.ddp:
-                from launch.train.model import create_adam_state
-
-                create_adam_state(opt)
         if args.memory_pools:
             _print_pools("after capture")
         if args.memory_history:
@@ -665,7 +659,7 @@ def main(argv: List[str]) -> None:
                         "training job does")
     p.add_argument("--foreach-multi-tensor", action="store_true",
                    help="with --ddp: megatron's multi-tensor fallbacks (grad norm without a host read per parameter, "
-                        "scale, copy) on torch's foreach kernels, as the training job runs them")
+                        "scale, copy) on torch's foreach kernels (launch/train/multi_tensor.py)")
     p.add_argument("--ce-fusion", action="store_true",
                    help="megatron's fused cross entropy (cross_entropy_loss_fusion, native) for every variant")
     p.add_argument("--no-fusions", dest="fusions", action="store_false",
@@ -694,9 +688,6 @@ def main(argv: List[str]) -> None:
     p.add_argument("--memory-history", type=int, default=0, metavar="ROWS",
                    help="record the allocator's events per variant and print the ROWS call sites whose segments of "
                         "the ordinary pool hold the most unused reserve, after graph capture and the timed steps")
-    p.add_argument("--settle-memory", choices=("", "cache", "state"), default="",
-                   help="FP8 + graphs: after capture release the allocator's cached blocks (cache), and also create "
-                        "Adam's state before the first step (state, with --ddp)")
     p.add_argument("--manual-gc", action="store_true",
                    help="as Megatron-LM's --manual-gc: Python's threshold garbage collection off during the timed "
                         "steps, one collection after each (untimed)")

@@ -112,45 +112,6 @@ def test_fused_torch_adam_switch_matches_foreach_and_resets():
     assert all(g["fused"] is None and g["foreach"] is None for g in opt.param_groups)
 
 
-@pytest.mark.parametrize("kind, fused, amsgrad", [("AdamW", True, False), ("Adam", False, True), ("AdamW", False, False)])
-def test_created_adam_state_trains_like_the_lazy_start(kind, fused, amsgrad):
-    """`create_adam_state` before the first step gives the same parameters, bit for bit, as torch's own lazy
-    start, and the same state layout (a frozen parameter gets none; state that exists is left alone)."""
-    import types
-
-    import torch
-
-    sys.path.insert(0, str(REPO))
-    from launch.train.model import create_adam_state
-
-    seed = 11
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(7)),
-              torch.nn.Parameter(torch.randn(3), requires_grad=False)]
-    twins = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
-    cls = getattr(torch.optim, kind)
-    opts = [cls(ps, lr=1e-2, amsgrad=amsgrad, fused=fused or None) for ps in (params, twins)]
-    chained = types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=opts[0])])
-    assert create_adam_state(chained) == 2
-    assert create_adam_state(chained) == 0  # idempotent
-    for _ in range(3):
-        grads = [torch.randn_like(p) for p in params[:2]]
-        for o, ps in zip(opts, (params, twins)):
-            for p, g in zip(ps, grads):
-                p.grad = g.clone()
-            o.step()
-    for p, q in zip(params, twins):
-        assert torch.equal(p, q)
-    made, lazy = (o.state_dict()["state"] for o in opts)
-    assert made.keys() == lazy.keys() == {0, 1}
-    for i in made:
-        assert made[i].keys() == lazy[i].keys()
-        for name in made[i]:
-            assert made[i][name].dtype == lazy[i][name].dtype and made[i][name].device == lazy[i][name].device
-            assert torch.equal(made[i][name], lazy[i][name]), name
-
-
 def test_foreach_multi_tensor_ops_match_megatrons_fallbacks(monkeypatch):
     """The foreach versions of megatron's multi-tensor fallbacks: the L2 norm of mixed-dtype tensors equals the
     norm of their norms (float32 rounding), with per-tensor norms on request and on the tensors' device; scale and

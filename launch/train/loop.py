@@ -79,7 +79,6 @@ def _train(args: RunArgs) -> int:
     from .data import StepBatches, build_train_dataset
     from .metrics import RunLog, StepTimer, fp8_health, gather_layer_state, logging_rank
     from .model import build_model, build_optimizer, fp8_settings, transformer_config, use_fused_torch_adam
-    from .multi_tensor import use_foreach_multi_tensor_ops
     from .step import TrainStep
     from .tokenizer import build_tokenizer
 
@@ -103,8 +102,6 @@ def _train(args: RunArgs) -> int:
     # again: a loaded checkpoint's groups carry their own setting (and on the CPU no fused kernels are wanted)
     if use_fused_torch_adam(optimizer, fused=torch.cuda.is_available()):
         say("optimizer: torch's fused Adam kernels (megatron fell back to torch's Adam)")
-    if use_foreach_multi_tensor_ops():
-        say("optimizer: torch's foreach kernels for megatron's multi-tensor fallbacks (grad norm, scale, copy)")
 
     wrap = graphed = None
     if args.cuda_graph:

@@ -192,33 +192,6 @@ def use_fused_torch_adam(optimizer, fused: bool = True) -> int:
     return switched
 
 
-def create_adam_state(optimizer) -> int:
-    """Create the moments and step counts that torch's Adam would make at the first step, now, for every
-    trainable parameter without state: laid out before the step's temporaries rather than in the blocks they
-    free, which a graphed step (whose layers' activations live in the graphs' own pool) otherwise leaves split
-    between the two. The values are those of torch's lazy start (zeros, step 0), so training is unchanged.
-    Returns the number of parameters given state."""
-    made = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_opt = getattr(inner, "optimizer", None)
-        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in torch_opt.param_groups:
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            for p in group["params"]:
-                if not p.requires_grad or torch_opt.state.get(p):
-                    continue
-                state = torch_opt.state[p]
-                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                                 else torch.tensor(0.0, dtype=torch.float32))
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                made += 1
-    return made
-
-
 def build_optimizer(args, model: List[torch.nn.Module]) -> Tuple[object, OptimizerParamScheduler]:
     """megatron's distributed Adam (fp32 master weights and moments, grad clipping) and its LR schedule."""
     opt_config = OptimizerConfig(

@@ -3,7 +3,7 @@ sit partly unused. Needs `torch.cuda.memory._record_memory_history()` running wh
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import torch
 

@@ -516,6 +516,9 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
     first = step()  # the weights every variant starts from: its loss must agree across variants
     # (under pipeline parallelism only the last stage has losses)
     first_loss = float(torch.stack([d["loss"] for d in first]).mean()) if first else float("nan")
+    if first:  # to tell a forward that differs between processes from one that differs between variants
+        print(f"{LABELS[variant]}: first step's microbatch losses "
+              + " ".join(f"{float(d['loss']):.6f}" for d in first), flush=True)
     for _ in range(args.warmup - 1):
         step()
     times = []

@@ -15,7 +15,7 @@ import torch
 import fp8_parallel as fp
 from fp8_parallel import native
 from fp8_parallel.quantize import quantize
-from te_testing import seed_for
+from te_testing import rel_error, seed_for
 
 
 class CountingExtension:
@@ -24,7 +24,7 @@ class CountingExtension:
     def __init__(self, ext):
         self._ext = ext
         self.with_cuda = ext.with_cuda
-        self.calls = {"linear_fwd": 0, "linear_bwd": 0, "cast_into": 0}
+        self.calls = {"linear_fwd": 0, "linear_bwd": 0, "cast_into": 0, "experts_bwd": 0}
 
     def __getattr__(self, name):
         fn = getattr(self._ext, name)
@@ -294,7 +294,6 @@ def test_native_fused_accumulation_into_a_buffer_view(offset):
     buffer) at 256-, 16- and 4-byte alignment (the last through the unfused fallback): the same result as the
     Python path (an FP8 GEMM to float32, then the add), and the buffer outside the view untouched."""
     from fp8_parallel.modules import FP8State, fp8_linear
-    from te_testing import rel_error
 
     ext = _cuda_extension()
     seed = seed_for(f"native_fused/{offset}")
@@ -324,3 +323,96 @@ def test_native_fused_accumulation_into_a_buffer_view(offset):
     # the epilogue's add may round as one fused multiply-add: float32 rounding apart
     assert rel_error(a, b) < 1e-6, rel_error(a, b)
     assert not torch.equal(a, fill)
+
+
+def _experts_run(ext, device: str, seed: int, fuse: bool, frozen_input: bool, monkeypatch):
+    """Two calls (cached weights, then a cast per call) of HYBRID experts on the grouped path, whose backward
+    runs the direct per-expert GEMMs: outputs, input gradients and weight gradients (or, fused, the
+    `main_grad`s after each call). On CPU the grouped forward GEMM is emulated."""
+    from fp8_parallel.modules import _grouped_core
+    from test_grouped_gemm import IN, OUT, SPLITS, _emulated_grouped_mm
+
+    if device == "cpu":
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm([]), raising=False)
+        monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda d: True)
+    gen = torch.Generator().manual_seed(seed)
+    lin = fp.GroupedLinear(len(SPLITS), IN, OUT, bias=False, device=device, params_dtype=torch.bfloat16,
+                           fuse_wgrad_accumulation=fuse)
+    lin.use_grouped_gemm = True
+    weights = [getattr(lin, f"weight{i}") for i in range(len(SPLITS))]
+    with torch.no_grad():
+        for w in weights:
+            w.copy_(torch.randn(w.shape, generator=gen) * IN**-0.5)
+            if fuse:
+                w.main_grad = torch.randn(w.shape, generator=gen).to(device)
+                w.grad_added_to_main_grad = False
+    weights[2].requires_grad_(False)  # a frozen expert with rows
+    seen = []
+    with using(ext):
+        for first in (True, None):
+            x = (torch.randn(sum(SPLITS), IN, generator=gen) * 2).to(device, torch.bfloat16)
+            x.requires_grad_(not frozen_input)
+            with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4)):
+                y = lin(x, SPLITS, is_first_microbatch=first)
+            y.backward(torch.randn(y.shape, generator=gen).to(device, torch.bfloat16))
+            seen += [y.detach(), x.grad if x.grad is not None else torch.zeros(())]
+            for w in weights:
+                seen.append(w.main_grad.clone() if fuse and w.requires_grad else w.grad)
+                w.grad = None
+    return seen
+
+
+def _check_experts(ext, device: str, monkeypatch):
+    counting = CountingExtension(ext)
+    for fuse in (False, True):
+        for frozen_input in (False, True):
+            seed = seed_for(f"native_experts/{device}/{fuse}/{frozen_input}")
+            before = counting.calls["experts_bwd"]
+            got = _experts_run(counting, device, seed, fuse, frozen_input, monkeypatch)
+            assert counting.calls["experts_bwd"] - before == 2, counting.calls
+            want = _experts_run(None, device, seed, fuse, frozen_input, monkeypatch)
+            for i, (a, b) in enumerate(zip(got, want)):
+                case = (device, fuse, frozen_input, i, seed)
+                if a is None or b is None:
+                    assert a is None and b is None, case  # the frozen expert's gradient
+                elif fuse and device == "cuda" and i % 6 >= 2:  # a main_grad: added in the GEMM's epilogue
+                    assert rel_error(a, b) < 1e-6, (case, rel_error(a, b))
+                else:
+                    assert torch.equal(a, b), case
+
+
+def test_native_expert_backward_matches_python_path(cpu_ext, monkeypatch):
+    """The compiled per-expert backward GEMMs of a grouped HYBRID call (with and without fused accumulation, a
+    frozen expert, an expert without rows, an input without gradient) against the Python loop, bit for bit."""
+    _check_experts(cpu_ext, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_native_expert_backward_matches_python_path_gpu(monkeypatch):
+    """The same on the GPU (the real grouped forward GEMM); a fused add in the epilogue is float32 rounding apart."""
+    from fp8_parallel.modules import _grouped_core
+
+    ext = _cuda_extension()
+    if not _grouped_core.device_has_grouped_gemm(torch.device("cuda")):
+        pytest.skip("torch._scaled_grouped_mm does not run on this GPU (needs compute capability 9.0 or 10.0)")
+    _check_experts(ext, "cuda", monkeypatch)
+
+
+def test_native_expert_backward_rejects_bad_arguments(cpu_ext):
+    fp8 = torch.float8_e5m2
+    g = torch.randn(8, 16).to(fp8)
+    sinv = torch.ones(8)[::4]
+    w_t = [torch.randn(32, 16).to(torch.float8_e4m3fn)] * 2
+    with pytest.raises(RuntimeError, match=r"2 experts, \[3\] grad_output scale_invs"):
+        cpu_ext.experts_bwd(16, 32, g, torch.ones(3), [4, 4], w_t, [torch.ones(())] * 2, 0, None, None, None, [], [],
+                            [], [], [])
+    with pytest.raises(RuntimeError, match="splits sum to 9, the cast has 8 rows"):
+        cpu_ext.experts_bwd(16, 32, g, sinv, [4, 5], w_t, [torch.ones(())] * 2, 0, None, None, None, [], [], [], [],
+                            [])
+    with pytest.raises(RuntimeError, match=r"weight transpose 1 has sizes \[16, 16\], expected \[32, 16\]"):
+        cpu_ext.experts_bwd(16, 32, g, sinv, [4, 4], [w_t[0], torch.randn(16, 16).to(fp8)], [torch.ones(())] * 2, 0,
+                            None, None, None, [], [], [], [], [])
+    g_t, x_t = torch.zeros(16 * 32, dtype=fp8), torch.zeros(32 * 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"main_grad 0 has sizes \[16, 16\]"):
+        cpu_ext.experts_bwd(16, 32, None, sinv, [4, 4], [], [], 0, g_t, x_t, sinv, [0, 16], [16, 16], [True, True],
+                            [0, 0], [torch.zeros(16, 16), None])

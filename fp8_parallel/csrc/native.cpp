@@ -272,6 +272,83 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
   return {grad_x, grad_w, grad_b};
 }
 
+// The experts' backward GEMMs of a grouped call with per-expert GEMMs (`_grouped_gemm._direct_expert_backward`),
+// issued from here, the last expert first: the GEMMs, operands, scales and order of its Python loop, for
+// experts of N outputs and K inputs. Input
+// gradient (given `g_rows`, the grad_outputs' FP8 cast [rows, N]): expert e's rows of a new [rows, K] tensor of
+// dtype `x_dtype` = its rows of g_rows times its weight's FP8 transpose `w_t[e]` ([K, N], scale_inv `w_sinv[e]`).
+// Weight gradients (given `g_t` and `x_t`, the row blocks' transposes: expert e's [N, padded_rows[e]] and
+// [K, padded_rows[e]] matrices from elements N * padded_starts[e] and K * padded_starts[e]): for each e with
+// need_w[e], g_t_e @ x_t_e.T in `w_dtypes[e]`, zeros for an expert without rows, or, given `main_grads[e]`,
+// added into it (float32 accumulation, one rounding) and not returned. `g_sinv`, `x_sinv`: one scale_inv per
+// expert (views, 16 bytes apart). Returns [grad_x or undefined, then per expert its grad_w or undefined].
+std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, const Tensor& g_sinv,
+                                const std::vector<int64_t>& splits,
+                                const std::vector<Tensor>& w_t, const std::vector<Tensor>& w_sinv, int64_t x_dtype,
+                                const OptTensor& g_t, const OptTensor& x_t, const OptTensor& x_sinv,
+                                const std::vector<int64_t>& padded_starts, const std::vector<int64_t>& padded_rows,
+                                const std::vector<bool>& need_w, const std::vector<int64_t>& w_dtypes,
+                                const std::vector<OptTensor>& main_grads) {
+  const int64_t experts = static_cast<int64_t>(splits.size());
+  TORCH_CHECK(g_sinv.dim() == 1 && g_sinv.size(0) == experts, "fp8_parallel native experts: ", experts,
+              " experts, ", g_sinv.sizes(), " grad_output scale_invs");
+  std::vector<Tensor> out(experts + 1);
+  if (g_rows) {
+    check_fp8(*g_rows, "grad_output cast");
+    TORCH_CHECK(static_cast<int64_t>(w_t.size()) == experts && static_cast<int64_t>(w_sinv.size()) == experts,
+                "fp8_parallel native experts: ", w_t.size(), " weight transposes for ", experts, " experts");
+    Tensor grad_x = at::empty({g_rows->size(0), k}, g_rows->options().dtype(dtype_of(x_dtype)));
+    std::vector<int64_t> starts(experts);
+    int64_t rows = 0;
+    for (int64_t e = 0; e < experts; ++e) { starts[e] = rows; rows += splits[e]; }
+    TORCH_CHECK(rows == g_rows->size(0), "fp8_parallel native experts: splits sum to ", rows, ", the cast has ",
+                g_rows->size(0), " rows");
+    for (int64_t e = experts - 1; e >= 0; --e) {
+      if (splits[e] == 0) continue;
+      check_fp8(w_t[e], "weight transpose");
+      TORCH_CHECK(w_t[e].size(0) == k && w_t[e].size(1) == g_rows->size(1), "fp8_parallel native experts: weight ",
+                  "transpose ", e, " has sizes ", w_t[e].sizes(), ", expected [", k, ", ", g_rows->size(1), "]");
+      Tensor dx = grad_x.narrow(0, starts[e], splits[e]);
+      at::_scaled_mm_out(dx, g_rows->narrow(0, starts[e], splits[e]), w_t[e].t(), g_sinv.select(0, e),
+                         scale_operand(w_sinv[e]), std::nullopt, std::nullopt, dtype_of(x_dtype), false);
+    }
+    out[0] = grad_x;
+  }
+  if (g_t && x_t) {
+    TORCH_CHECK(x_sinv && x_sinv->dim() == 1 && x_sinv->size(0) == experts, "fp8_parallel native experts: the ",
+                "inputs' scale_invs must be one per expert");
+    TORCH_CHECK(static_cast<int64_t>(padded_starts.size()) == experts &&
+                    static_cast<int64_t>(padded_rows.size()) == experts &&
+                    static_cast<int64_t>(need_w.size()) == experts &&
+                    static_cast<int64_t>(w_dtypes.size()) == experts &&
+                    static_cast<int64_t>(main_grads.size()) == experts,
+                "fp8_parallel native experts: one padded start, padded row count, need flag, dtype and main_grad ",
+                "per expert");
+    for (int64_t e = experts - 1; e >= 0; --e) {
+      if (!need_w[e]) continue;
+      const int64_t ps = padded_starts[e], pm = padded_rows[e];
+      const OptTensor& into = main_grads[e];
+      if (pm == 0) {
+        if (!into) out[e + 1] = at::zeros({n, k}, g_t->options().dtype(dtype_of(w_dtypes[e])));
+        continue;
+      }
+      const Tensor a = g_t->as_strided({n, pm}, {pm, 1}, n * ps);  // [N, padded] row-major
+      const Tensor b = x_t->as_strided({k, pm}, {pm, 1}, k * ps);  // [K, padded] row-major
+      const Tensor sa = g_sinv.select(0, e), sb = x_sinv->select(0, e);
+      if (into) {
+        Tensor acc = *into;
+        TORCH_CHECK(acc.dim() == 2 && acc.size(0) == n && acc.size(1) == k && acc.device() == g_t->device(),
+                    "fp8_parallel native experts: main_grad ", e, " has sizes ", acc.sizes(), " on ", acc.device(),
+                    ", expected [", n, ", ", k, "] on ", g_t->device());
+        gemm_accumulate(a, b, sa, sb, acc);
+      } else {
+        out[e + 1] = at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, dtype_of(w_dtypes[e]), false);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace fp8p
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -279,6 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_into", &fp8p::cast_into, "fused FP8 cast into given outputs");
   m.def("linear_fwd", &fp8p::linear_fwd, "one FP8 linear's forward");
   m.def("linear_bwd", &fp8p::linear_bwd, "one FP8 linear's backward");
+  m.def("experts_bwd", &fp8p::experts_bwd, "the per-expert backward GEMMs of a grouped call");
 #ifdef FP8P_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -19,7 +19,7 @@ stacked per GEMM and not kept stacked from forward to backward (no copy of every
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +28,7 @@ from ..tensor import Float8Tensor
 from ._core import FP8State, cast_weight, expert_plans, features_unaligned, fp8_linear, settle_experts_backward
 from ._grouped_gemm import (GroupedFP8Linear, GroupedSharedCastsLinear, cumulative, device_has_bf16_grouped_gemm,
                             device_has_grouped_gemm, shares_casts, stacked_weights)
+from ._main_grad import add_into_main_grads
 from ._recompute import checkpoint_region
 
 GROUPED_GEMM = True  # False: never the grouped FP8 GEMM, whatever a module asks for (per-expert GEMMs)
@@ -70,6 +71,7 @@ def grouped_fp8_linear(
     wgrad_in_fp8: bool = True,
     wgrad_stores: Optional[Sequence[Any]] = None,
     grouped_gemm: bool = False,
+    into_main_grad: Optional[Sequence[bool]] = None,
 ) -> torch.Tensor:
     """Expert `i` (`weights[i]`, `biases[i]`, `states[i]`) on rows `sum(splits[:i]) : sum(splits[:i+1])` of `x`
     (split along its first dimension; `splits` checked by `check_splits`), the blocks concatenated again.
@@ -78,17 +80,22 @@ def grouped_fp8_linear(
     weight and bias gradients zero. `is_first_microbatch` caches each expert's weight cast as `fp8_linear` does;
     `wgrad_stores[i]` delays expert `i`'s weight gradient (see `fp8_linear`). `grouped_gemm`: run as one
     grouped FP8 GEMM where it applies (see the module docstring); its results differ from the per-expert
-    GEMMs' by rounding.
+    GEMMs' by rounding. `into_main_grad[i]`: expert `i`'s weight gradient is added into `weights[i].main_grad`
+    (fused accumulation, checked by the caller with `_main_grad.accumulates_into_main_grad`; see `fp8_linear`),
+    in the per-expert GEMM's epilogue where the compiled path runs, else added after the (grouped) GEMM.
     """
     stores = list(wgrad_stores) if wgrad_stores is not None else [None] * len(weights)
+    into = tuple(bool(f) for f in into_main_grad) if into_main_grad is not None else (False,) * len(weights)
     path = _grouped_path(x, weights, biases, stores) if grouped_gemm else None
     if path == "fp8":
-        return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8)
+        return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8, into)
     if path == "bf16":
         ends = torch.tensor(list(cumulative(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
-        return _GroupedBF16Linear.apply(x, ends, *weights)
-    outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store)
-            for chunk, w, b, st, store in zip(torch.split(x, list(splits), dim=0), weights, biases, states, stores)]
+        return _GroupedBF16Linear.apply(x, ends, into, *weights)
+    outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store,
+                       fuse_wgrad_accumulation=fused)
+            for chunk, w, b, st, store, fused in zip(torch.split(x, list(splits), dim=0), weights, biases, states,
+                                                     stores, into)]
     return torch.cat(outs, dim=0)
 
 
@@ -116,11 +123,13 @@ def _grouped_path(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
 
 
 class _GroupedBF16Linear(torch.autograd.Function):
-    """`apply(x, ends, *weights)`: expert `i`'s rows of `x` (up to `ends[i]`) times `weights[i].T`, as one
-    `torch._grouped_mm` per GEMM. Saves the weights themselves (not their stack) for backward."""
+    """`apply(x, ends, into, *weights)`: expert `i`'s rows of `x` (up to `ends[i]`) times `weights[i].T`, as one
+    `torch._grouped_mm` per GEMM; `into[i]`: expert `i`'s weight gradient is added into its `main_grad`. Saves
+    the weights themselves (not their stack) for backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, into: Sequence[bool], *weights: torch.Tensor) -> torch.Tensor:
+        ctx.into = into
         ctx.save_for_backward(x, ends, *weights)
         return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
 
@@ -131,14 +140,18 @@ class _GroupedBF16Linear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e: the weights stacked row-major [E, N, K]
             grad_x = torch._grouped_mm(grad_out, torch.stack(weights), offs=ends)
-        if any(ctx.needs_input_grad[2:]):  # dW_e = dy_e^T @ x_e: groups along the contracted rows
-            grad_w = torch._grouped_mm(grad_out.t(), x, offs=ends).unbind(0)
-        return (grad_x, None, *(grad_w if grad_w is not None else [None] * len(weights)))
+        needs_w = ctx.needs_input_grad[3:]
+        if any(needs_w):  # dW_e = dy_e^T @ x_e: groups along the contracted rows
+            grad_w = list(torch._grouped_mm(grad_out.t(), x, offs=ends).unbind(0))
+            fused = [i for i, (f, need) in enumerate(zip(ctx.into, needs_w)) if f and need]
+            for i, placeholder in zip(fused, add_into_main_grads([weights[i] for i in fused], [grad_w[i] for i in fused])):
+                grad_w[i] = placeholder
+        return (grad_x, None, None, *(grad_w if grad_w is not None else [None] * len(weights)))
 
 
 def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[torch.Tensor],
                          states: Sequence[FP8State], is_first_microbatch: Optional[bool],
-                         wgrad_in_fp8: bool) -> torch.Tensor:
+                         wgrad_in_fp8: bool, into: Tuple[bool, ...]) -> torch.Tensor:
     """The experts' FP8 linears with one grouped forward GEMM; the same plans, casts, amax slots and backward
     as the per-expert calls."""
     plans = expert_plans(states)
@@ -146,9 +159,9 @@ def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[t
         stacked_weights(weights, states, plans[0].recipe.fp8_format.forward_dtype)
     qweights = [cast_weight(w, state, plan, is_first_microbatch) for w, state, plan in zip(weights, states, plans)]
     if shares_casts(plans, wgrad_in_fp8):
-        out = GroupedSharedCastsLinear.apply((splits, qweights, states, plans), x, *weights)
+        out = GroupedSharedCastsLinear.apply((splits, qweights, states, plans, into), x, *weights)
     else:
         chunks = torch.split(x, splits, dim=0)
-        out = GroupedFP8Linear.apply((x, splits, qweights, states, plans, wgrad_in_fp8), *chunks, *weights)
+        out = GroupedFP8Linear.apply((x, splits, qweights, states, plans, wgrad_in_fp8, into), *chunks, *weights)
     settle_experts_backward(plans, out)
     return out

@@ -23,11 +23,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import native
 from ..gemm import _scale_operand
+from ..native import DTYPE_CODES
 from ..quantize import SINV_STRIDE, RowBlocks, quantize_row_blocks
 from ..tensor import Float8Tensor
 from ._core import (SAVED_PER_LINEAR, _backward_slot, _weight_operand, _weight_transposed, backward_outside_autocast,
                     experts_backward_done, linear_backward, linear_operands)
+from ._main_grad import add_into_main_grads, grad_after_main_grad
 
 
 def device_has_grouped_gemm(device: torch.device) -> bool:
@@ -171,7 +174,8 @@ def shares_casts(plans: Sequence[Any], wgrad_in_fp8: bool) -> bool:
 class GroupedSharedCastsLinear(torch.autograd.Function):
     """Experts' FP8 linears with delayed scaling and FP8 weight gradients. `apply(meta, x, *weights)` with
     `meta = (splits, qweights, states, plans)` (as `fp8_linear` takes them per expert), `x` the whole 2-d
-    input: returns the `[rows, N]` bfloat16 output, and its backward the whole input gradient.
+    input: returns the `[rows, N]` bfloat16 output, and its backward the whole input gradient. `meta` may end
+    with `into`: per expert whether its weight gradient goes into its `main_grad` (fused accumulation).
 
     Forward: every expert's input cast (and transpose) in one launch, one grouped GEMM. Kept for backward:
     the inputs' transposes and scale_invs (`ctx.x_blocks`, the row-major data freed), and per expert a record
@@ -181,7 +185,8 @@ class GroupedSharedCastsLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta: Tuple, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        splits, qweights, states, plans = meta
+        splits, qweights, states, plans = meta[:4]
+        into = meta[4] if len(meta) > 4 else [False] * len(weights)
         ctx.splits = splits
         ctx.grouped_backward = _grouped_backward(plans, weights, True)
         fmt = plans[0].recipe.fp8_format
@@ -197,10 +202,11 @@ class GroupedSharedCastsLinear(torch.autograd.Function):
         ctx.x_blocks = dataclasses.replace(blocks, data=blocks.data.new_empty((0, blocks.data.shape[1])),
                                            row_sinv=blocks.row_sinv.new_empty(0))
         records, saved = [], []
-        for w, qw, state, plan in zip(weights, qweights, states, plans):
+        for w, qw, state, plan, fused in zip(weights, qweights, states, plans, into):
             w_saved, cached = _weight_operand(w, qw, state, plan) if x.requires_grad else ([None] * 4, None)
             saved.extend(w_saved)
-            records.append(types.SimpleNamespace(plan=plan, state=state, cached_weight=cached, w_dtype=w.dtype))
+            records.append(types.SimpleNamespace(plan=plan, state=state, cached_weight=cached, w_dtype=w.dtype,
+                                                 main_grad_of=w if fused else None))
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(*saved)
         ctx.records = records
@@ -219,14 +225,16 @@ class GroupedSharedCastsLinear(torch.autograd.Function):
 class GroupedFP8Linear(torch.autograd.Function):
     """Experts' FP8 linears under current scaling or with high-precision weight gradients. `apply(meta,
     *blocks, *weights)` with `meta = (x, splits, qweights, states, plans, wgrad_in_fp8)`: `x` the whole 2-d
-    input, `blocks` its row blocks (autograd inputs), the rest as `fp8_linear` takes them per expert. One
+    input, `blocks` its row blocks (autograd inputs), the rest as `fp8_linear` takes them per expert (`meta`
+    may end with `into`, as for `GroupedSharedCastsLinear`). One
     grouped forward GEMM; each expert keeps `fp8_linear`'s record and runs `linear_backward` (with delayed
     scaling from one grad cast for all experts). Returns the `[rows, N]` bfloat16 output."""
 
     @staticmethod
     def forward(ctx, meta: Tuple, *tensors: torch.Tensor) -> torch.Tensor:
-        x2, splits, qweights, states, plans, wgrad_in_fp8 = meta
+        x2, splits, qweights, states, plans, wgrad_in_fp8 = meta[:6]
         n = len(splits)
+        into = meta[6] if len(meta) > 6 else [False] * n
         chunks, weights = tensors[:n], tensors[n:]
         ctx.splits = splits
         fmt = plans[0].recipe.fp8_format
@@ -237,9 +245,10 @@ class GroupedFP8Linear(torch.autograd.Function):
         else:  # current scaling: each expert's scale comes from its own amax first
             casts = [None] * n
         records, saved, qxs = [], [], []
-        for chunk, w, qw, state, plan, cast in zip(chunks, weights, qweights, states, plans, casts):
+        for chunk, w, qw, state, plan, cast, fused in zip(chunks, weights, qweights, states, plans, casts, into):
             record = types.SimpleNamespace()
-            qx, to_save, _ = linear_operands(record, chunk, w, qw, state, plan, wgrad_in_fp8, False, input_cast=cast)
+            qx, to_save, _ = linear_operands(record, chunk, w, qw, state, plan, wgrad_in_fp8, False, input_cast=cast,
+                                             into_main_grad=fused)
             records.append(record)
             saved.extend(to_save)
             qxs.append(qx)
@@ -323,36 +332,72 @@ def _grouped_backward_gemms(ctx, saved, grad_out: torch.Tensor):
         stacked = None if stack is None else (stack.transposes, stack.column_scales(stack.transposes.shape[1]))
         grad_x = grouped_gemm(g.data, g.row_sinv, [w for w, _ in w_t], [s for _, s in w_t], ctx.ends,
                               use_fast_accum=False, stacked=stacked)
-    dw = grouped_wgrad(g, ctx.x_blocks)
+    dw = grouped_wgrad(g, ctx.x_blocks).unbind(0)
+    fused = [i for i, r in enumerate(records) if r.main_grad_of is not None]
+    grad_w = list(dw)
+    for i, placeholder in zip(fused, add_into_main_grads([records[i].main_grad_of for i in fused],
+                                                         [dw[i] for i in fused])):
+        grad_w[i] = placeholder
     experts_backward_done([r.plan for r in records])
-    return (grad_x, *dw.unbind(0))
+    return (grad_x, *grad_w)
 
 
 def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor):
     """The per-expert backward GEMMs (HYBRID: E5M2 gradients, which torch's grouped GEMM does not take) issued
-    straight from the one-launch grad cast and the forward's shared input casts: the GEMMs, operands, scales
-    and order of `linear_backward` per expert (so the same bytes), each expert's input gradient written into
-    its rows of the whole one, without a Float8Tensor or an `fp8_gemm` check per operand. The grouped path
-    guarantees what that generality is for here: aligned features and 16-byte aligned views (`RowBlocks`), no
-    biases, no sequence parallelism, no delayed weight gradients."""
+    straight from the one-launch grad cast and the forward's shared input casts (`direct_expert_gemms`): the
+    GEMMs, operands, scales and order of `linear_backward` per expert (so the same bytes), each expert's input
+    gradient written into its rows of the whole one, without a Float8Tensor or an `fp8_gemm` check per
+    operand. The grouped path guarantees what that generality is for here: aligned features and 16-byte
+    aligned views (`RowBlocks`), no biases, no sequence parallelism, no delayed weight gradients."""
     records, splits = ctx.records, ctx.splits
-    n = len(splits)
     needs_x, needs_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2:]
     g = _backward_blocks(records, grad_out, splits, any(needs_w), one_matrix=False)
-    x = ctx.x_blocks
-    n_out, k = grad_out.shape[-1], x.data.shape[1]
+    owners = [r.main_grad_of if need else None for r, need in zip(records, needs_w)]
+    grad_x, grad_w = direct_expert_gemms(
+        g, ctx.x_blocks, splits, _dgrad_operands(ctx, saved) if needs_x else None, needs_w, ctx.x_dtype,
+        [r.w_dtype for r in records], [None if o is None else o.main_grad for o in owners])
+    for i, owner in enumerate(owners):
+        if owner is not None:
+            grad_w[i] = grad_after_main_grad(owner)
+    experts_backward_done([r.plan for r in records])
+    return (grad_x, *grad_w)
+
+
+def direct_expert_gemms(g: RowBlocks, x: RowBlocks, splits: Sequence[int],
+                        w_t: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor]]], needs_w: Sequence[bool],
+                        x_dtype: torch.dtype, w_dtypes: Sequence[torch.dtype],
+                        main_grads: Sequence[Optional[torch.Tensor]]
+                        ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
+    """The experts' backward GEMMs from their grad_outputs' casts `g` (with transposes where a weight gradient
+    is needed) and their inputs' transposes `x`, the last expert first: the input gradient `[rows, K]` in
+    `x_dtype` (given `w_t`, each expert's weight FP8 transpose `[K, N]` and scale_inv), and per expert with
+    `needs_w[i]` its weight gradient in `w_dtypes[i]` (zeros without rows) or, given `main_grads[i]`, added
+    into it (float32 accumulation, one rounding; None returned). One compiled call where the extension runs
+    on the device (the same GEMMs; a fused add in the GEMM's epilogue on CUDA), else a Python loop."""
+    n = len(splits)
+    n_out, k = g.data.shape[1], x.data.shape[1]
+    device = g.data.device
+    ext = native.for_device(device)
+    codes = [DTYPE_CODES.get(d) for d in (x_dtype, *w_dtypes)]
+    if ext is not None and None not in codes:
+        out = ext.experts_bwd(
+            n_out, k, g.data if w_t is not None else None, g.sinv[::SINV_STRIDE], list(splits),
+            [w for w, _ in w_t] if w_t is not None else [], [s for _, s in w_t] if w_t is not None else [],
+            codes[0], g.transposes if any(needs_w) else None, x.transposes if any(needs_w) else None,
+            x.sinv[::SINV_STRIDE], list(g.padded_starts), list(g.padded_rows), [bool(b) for b in needs_w],
+            codes[1:], list(main_grads))
+        return (out[0] if w_t is not None else None), list(out[1:])
     g_sinv = g.sinv[::SINV_STRIDE].unbind(0)  # 0-d views, 16 bytes apart
     grad_x = None
     grad_w: List[Optional[torch.Tensor]] = [None] * n
-    if needs_x:
-        w_t = _dgrad_operands(ctx, saved)
-        grad_x = torch.empty((g.data.shape[0], k), dtype=ctx.x_dtype, device=grad_out.device)
-        g_rows, dx_rows = g.data.split(splits), grad_x.split(splits)
+    if w_t is not None:
+        grad_x = torch.empty((g.data.shape[0], k), dtype=x_dtype, device=device)
+        g_rows, dx_rows = g.data.split(list(splits)), grad_x.split(list(splits))
         for i in reversed(range(n)):  # the last expert first, as autograd runs the per-expert calls' nodes
             if splits[i]:
                 qw_t, qw_sinv = w_t[i]
                 torch._scaled_mm(g_rows[i], qw_t.t(), scale_a=g_sinv[i], scale_b=_scale_operand(qw_sinv),
-                                 out_dtype=ctx.x_dtype, out=dx_rows[i])
+                                 out_dtype=x_dtype, out=dx_rows[i])
     if any(needs_w):
         x_sinv = x.sinv[::SINV_STRIDE].unbind(0)
         for i in reversed(range(n)):
@@ -360,11 +405,15 @@ def _direct_expert_backward(ctx, saved, grad_out: torch.Tensor):
                 continue
             ps, pm = g.padded_starts[i], g.padded_rows[i]
             if pm == 0:
-                grad_w[i] = torch.zeros((n_out, k), dtype=records[i].w_dtype, device=grad_out.device)
+                if main_grads[i] is None:
+                    grad_w[i] = torch.zeros((n_out, k), dtype=w_dtypes[i], device=device)
                 continue
             # block i's transposes, [N, padded] row-major and [K, padded] as its column-major transpose
             g_t = g.transposes.as_strided((n_out, pm), (pm, 1), n_out * ps)
             x_t = x.transposes.as_strided((pm, k), (1, pm), k * ps)
-            grad_w[i] = torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i], out_dtype=records[i].w_dtype)
-    experts_backward_done([r.plan for r in records])
-    return (grad_x, *grad_w)
+            if main_grads[i] is not None:
+                main_grads[i].add_(torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i],
+                                                    out_dtype=torch.float32))
+            else:
+                grad_w[i] = torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i], out_dtype=w_dtypes[i])
+    return grad_x, grad_w

@@ -2,7 +2,7 @@
 (megatron's DistributedDataParallel protocol) instead of being returned to autograd as `.grad`."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -60,6 +60,15 @@ def grad_after_main_grad(weight: torch.Tensor, like: Optional[torch.Tensor] = No
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None  # `.grad` stays None, as TransformerEngine leaves it
     return placeholder_grad(weight, like)
+
+
+def add_into_main_grads(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """`weights[i].main_grad += grads[i]` for every i as one multi-tensor add (each sum in float32 where
+    `main_grad` is, as `main_grad.add_`), for gradients computed together (a grouped GEMM's); returns what
+    autograd gets for each weight (`grad_after_main_grad`)."""
+    if weights:
+        torch._foreach_add_([w.main_grad for w in weights], list(grads))
+    return [grad_after_main_grad(w) for w in weights]
 
 
 def weight_for_gemm(weight: torch.Tensor, fuse_wgrad_accumulation: bool, owner: str, name: str) -> torch.Tensor:

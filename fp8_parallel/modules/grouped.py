@@ -23,6 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from ..expert_scope import experts_reduce_over_dense_dp, expert_scope
 from ._core import history_len_of
 from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
+from ._main_grad import accumulates_into_main_grad
 from .parallel_linear import _first_microbatch
 
 
@@ -38,7 +39,14 @@ class GroupedLinear(torch.nn.Module):
         config: megatron TransformerConfig (params dtype, fp8_wgrad, init).
         init_method: weight initialisation, drawn from megatron's expert-parallel RNG stream.
         bias: one bias per expert.
+
+    `fuse_wgrad_accumulation` (None: `config.gradient_accumulation_fusion`): each expert's weight gradient goes
+    into its `main_grad` (megatron's `gradient_accumulation_fusion`; see `ColumnParallelLinear`), set by
+    `fp8_parallel.megatron.fuse_wgrad_accumulation` as for the other linears.
     """
+
+    fuse_wgrad_accumulation: Optional[bool] = None
+    fused_wgrad_name: Optional[str] = None  # "<this module's name>.weight" in its model, for errors (set by the helper)
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, partition: str, config,
                  init_method, bias: bool = False, etp_size: int = 1):
@@ -80,9 +88,17 @@ class GroupedLinear(torch.nn.Module):
         first = _first_microbatch(self, is_first_microbatch)
         splits = check_splits("GroupedLinear", m_splits, self.num_gemms, x.shape[0])
         n = self.num_gemms
-        return grouped_fp8_linear(x, splits, [getattr(self, f"weight{i}") for i in range(n)],
-                                  [getattr(self, f"bias{i}") for i in range(n)], self.fp8, first,
-                                  getattr(self.config, "fp8_wgrad", True), grouped_gemm=True)
+        weights = [getattr(self, f"weight{i}") for i in range(n)]
+        return grouped_fp8_linear(x, splits, weights, [getattr(self, f"bias{i}") for i in range(n)], self.fp8, first,
+                                  getattr(self.config, "fp8_wgrad", True), grouped_gemm=True,
+                                  into_main_grad=self._into_main_grad(weights))
+
+    def _into_main_grad(self, weights) -> list:
+        fuse = self.fuse_wgrad_accumulation
+        if fuse is None:
+            fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
+        name = self.fused_wgrad_name or "weight"  # "<module>.weight": expert i's is "<module>.weight<i>"
+        return [accumulates_into_main_grad(w, fuse, type(self).__name__, f"{name}{i}") for i, w in enumerate(weights)]
 
 
 class FP8GroupedMLP(MegatronModule):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
 from ._delayed_wgrad import DelayedWgradMethods
-from ._main_grad import weight_for_gemm
+from ._main_grad import accumulates_into_main_grad
 from ._te_options import (check_input, check_te_options, in_autocast_dtype, init_weight, resolve_device,
                           resolve_dtype)
 from ._tensor_parallel import TensorParallel, mark_partitioned
@@ -175,11 +175,12 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
         rows = "" if inp.dim() == 2 else f" (the input of shape {tuple(inp.shape)} flattened to [-1, {inp.shape[-1]}])"
         splits = check_splits("GroupedLinear", m_splits, self.num_gemms, x.shape[0], rows)
         biases = [None] * self.num_gemms if self.return_bias else self._biases()
-        weights = [weight_for_gemm(w, self.fuse_wgrad_accumulation, "GroupedLinear", f"weight{i}")
-                   for i, w in enumerate(self._weights())]
+        weights = self._weights()
+        into = [accumulates_into_main_grad(w, self.fuse_wgrad_accumulation, "GroupedLinear", f"weight{i}")
+                for i, w in enumerate(weights)]
         stores = [self._wgrad_store(f"weight{i}") for i in range(self.num_gemms)]
         y = grouped_fp8_linear(x, splits, weights, biases, self.fp8, is_first_microbatch, wgrad_stores=stores,
-                               grouped_gemm=self.use_grouped_gemm)
+                               grouped_gemm=self.use_grouped_gemm, into_main_grad=into)
         y = y.reshape(*inp.shape[:-1], y.shape[-1])
         if self.return_bias:
             return y, [None if b is None else b.to(y.dtype) for b in self._biases()]

@@ -174,6 +174,7 @@ def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: L
     from fp8_parallel.megatron import get_gpt_block_spec
 
     cfg = _config(size, device, fp8=variant.startswith("fp8"), knobs=knobs, layout=layout)
+    torch.manual_seed(1234)  # host-side inits (megatron's learned position embeddings): as Megatron-LM seeds
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
     chunks = []
     for v in range(layout.vpp or 1):
@@ -197,6 +198,7 @@ def _build(variant: str, size: Size, device: str, knobs: Knobs, weights: Optiona
     from fp8_parallel.megatron import get_gpt_block_spec
 
     cfg = _config(size, device, fp8=variant.startswith("fp8"), knobs=knobs)
+    torch.manual_seed(1234)  # host-side inits (megatron's learned position embeddings): as Megatron-LM seeds
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
     spec = get_gpt_layer_local_spec() if variant == "local" else get_gpt_block_spec(cfg, **_moe_spec(size))
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab, max_sequence_length=size.seq)
@@ -225,7 +227,8 @@ def _batches(size: Size, device: str) -> List[dict]:
 
 def _loss_func(per_token: torch.Tensor):
     loss = per_token.float().mean()
-    return loss, {"loss": loss.detach()}
+    # a copy: megatron's schedule divides the returned loss in place by the number of microbatches
+    return loss, {"loss": loss.detach().clone()}
 
 
 # -- timing and profile ---------------------------------------------------------------------------------------
@@ -722,6 +725,11 @@ def main(argv: List[str]) -> None:
     with ps.cpu_compat(enabled=args.device == "cpu"):
         weights = None if layout.parallel else _reference_weights(size, args)
         batches = _batches(size, args.device)
+        if rank0 and weights is not None:  # to tell inputs that differ between processes from a forward that does
+            w_sum = sum(float(w.double().sum()) for w in weights.values())
+            w_abs = sum(float(w.double().abs().sum()) for w in weights.values())
+            t_sum = sum(int(b["tokens"].sum()) for b in batches)
+            print(f"reference weights: sum {w_sum:.10e}, |sum| {w_abs:.10e}; tokens sum {t_sum}", flush=True)
         results = []
         for v in variants:
             results.append(run_variant(v, size, args, weights, batches))

@@ -59,6 +59,7 @@ def bench_single_gpu() -> None:
 
     ps.initialize()
     cfg = _config()
+    torch.manual_seed(1234)  # host-side inits (megatron's learned position embeddings): as Megatron-LM seeds
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
     layers = [build_module(get_gpt_layer_spec(), config=cfg, layer_number=i + 1).cuda() for i in range(LAYERS)]
     params = [p for layer in layers for p in layer.parameters()]
@@ -109,6 +110,7 @@ def bench_pp2(out: str) -> None:
 
     ps.initialize(pp=2)
     cfg = _config(pp=2)
+    torch.manual_seed(1234)  # host-side inits (megatron's learned position embeddings): as Megatron-LM seeds
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
     from megatron.core.transformer.module import Float16Module
 
@@ -120,7 +122,8 @@ def bench_pp2(out: str) -> None:
 
     def loss_func(out):
         loss = out.float().mean()
-        return loss, {"loss": loss.detach()}
+        # a copy: megatron's schedule divides the returned loss in place by the number of microbatches
+    return loss, {"loss": loss.detach().clone()}
 
     def forward_step(it, chunk):
         t = next(it)

@@ -30,9 +30,9 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 
 def _torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900, expect_ok: bool = True,
-              rdzv: List[str] = ()) -> str:
+              rdzv: List[str] = (), launcher: List[str] = ()) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           *(rdzv or ["--nnodes=1", f"--master_port={_free_port()}"]), str(ENTRY), *args]
+           *(rdzv or ["--nnodes=1", f"--master_port={_free_port()}"]), *launcher, str(ENTRY), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if expect_ok:
@@ -206,8 +206,9 @@ def test_invalid_sizes_are_named(argv, world, needle):
     (["--data-path", "/nonexistent/corpus_text_document"], "no megatron indexed dataset at /nonexistent/corpus"),
 ])
 def test_bad_input_exits_nonzero_fast_on_every_rank(tmp_path, argv, needle):
-    """Checked before any collective: 4 ranks all exit 2 with the reason, no hang."""
-    out = _torchrun(tmp_path, 4, argv, timeout=300, expect_ok=False)
+    """Checked before any collective: 4 ranks all exit 2 with the reason, no hang. torchrun stops the other
+    workers once it sees one fail; polling every 10 s lets each rank show that it fails by itself."""
+    out = _torchrun(tmp_path, 4, argv, timeout=300, expect_ok=False, launcher=["--monitor-interval", "10"])
     assert out.count(needle) == 4, out[-5000:]
     assert "exitcode  : 2" in out, out[-5000:]
 

@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="as megatron's: weight gradients go through autograd and DDP's hooks instead of being "
                         "added into DDP's float32 buffers by the layers' GEMMs (the default here needs no apex)")
+    g.add_argument("--no-foreach-multi-tensor", action="store_true",
+                   help="keep megatron's own multi-tensor fallbacks (without TE or apex: a host read-back per "
+                        "parameter for the gradient norm) instead of torch's foreach versions "
+                        "(launch/train/multi_tensor.py, the default here)")
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("fp8")

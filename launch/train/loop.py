@@ -102,6 +102,11 @@ def _train(args: RunArgs) -> int:
     # again: a loaded checkpoint's groups carry their own setting (and on the CPU no fused kernels are wanted)
     if use_fused_torch_adam(optimizer, fused=torch.cuda.is_available()):
         say("optimizer: torch's fused Adam kernels (megatron fell back to torch's Adam)")
+    if not args.no_foreach_multi_tensor:
+        from .multi_tensor import use_foreach_multi_tensor_ops
+
+        if use_foreach_multi_tensor_ops():
+            say("optimizer: megatron's multi-tensor fallbacks on torch's foreach kernels")
 
     wrap = graphed = None
     if args.cuda_graph:

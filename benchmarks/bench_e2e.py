@@ -1,5 +1,6 @@
-"""End-to-end training step of megatron-core's GPTModel: megatron's local spec against our spec, FP8 off,
-FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights and data for every variant.
+"""End-to-end training step of megatron-core's GPTModel: megatron's local spec against our spec, FP8 off (eager
+and with graphed layers), FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights and data
+for every variant. FP8 + graphs is compared with FP8 off + graphs too: the same graphs without FP8.
 
     python bench_e2e.py results.jsonl                       # 0.94B: 16 layers, hidden 2048, 16 heads,
                                                             # FFN 8192, vocab 32000, seq 2048, 2 x 4 microbatches
@@ -11,12 +12,12 @@ FP8 eager and FP8 with graphed layers. One process, one GPU, the same weights an
     python bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048                        # MoE: 8 experts, top-2
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048 --ep 2   # MoE, EP2
 
-With model parallelism (--tp/--pp/--ep > 1) only our spec runs (FP8 off, FP8 eager, FP8 + graphs): every
-variant builds its weights from the same seed (identical across variants), and the last rank reports (tokens/s
-are the model's: one data-parallel replica). MoE (--experts N): megatron's MoELayer with our grouped FP8
-experts (`moe_grouped_gemm=True`), top-k routing, the alltoall dispatcher, no linear biases; megatron's local
-spec and the graphed variant do not run (the experts' token counts change every step, which CUDA graphs
-cannot capture).
+With model parallelism (--tp/--pp/--ep > 1) only our spec runs (FP8 off, eager and graphed; FP8 eager; FP8 +
+graphs): every variant builds its weights from the same seed (identical across variants), and the last rank
+reports (tokens/s are the model's: one data-parallel replica). MoE (--experts N): megatron's MoELayer with our
+grouped FP8 experts (`moe_grouped_gemm=True`), top-k routing, the alltoall dispatcher, no linear biases;
+megatron's local spec and the graphed variants do not run (the experts' token counts change every step, which
+CUDA graphs cannot capture).
 
 Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, megatron's bias+GELU and
 bias+dropout+add fusions (`--no-fusions` turns them off; `--ce-fusion` adds its fused cross entropy),
@@ -46,10 +47,11 @@ from common import dump, record  # noqa: E402
 from memory_report import segment_report, start_recording, stop_recording  # noqa: E402
 
 BENCH = "e2e"
-VARIANTS = ("local", "bf16", "fp8", "fp8_graphs")
+VARIANTS = ("local", "bf16", "bf16_graphs", "fp8", "fp8_graphs")
 LABELS = {
     "local": "megatron local spec BF16",
     "bf16": "our spec FP8 off",
+    "bf16_graphs": "our spec FP8 off + graphs",
     "fp8": "our spec FP8 eager",
     "fp8_graphs": "our spec FP8 + graphs",
 }
@@ -490,10 +492,10 @@ def run_variant(variant: str, size: Size, args, weights, batches) -> dict:
         return out, _loss_func
 
     graphed = None
-    if variant == "fp8_graphs":
+    if variant.endswith("_graphs"):
         graphed = pipeline.graph_megatron_layers(
             model, cfg, num_microbatches=size.micro, seq_length=size.seq, micro_batch_size=size.mbs,
-            fp8_recipe=recipe_from_config(cfg), fp8_weight_caching=knobs.weight_cache)
+            fp8_recipe=recipe_from_config(cfg) if fp8 else None, fp8_weight_caching=fp8 and knobs.weight_cache)
         forward_step = graphed.forward_step(forward_step)
         if args.memory_pools:
             _print_pools("after capture")
@@ -604,6 +606,7 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
 
     base = by.get("local")
     bf16 = by.get("bf16")
+    bf16_graphs = by.get("bf16_graphs")
     for r in results:
         v = r["variant"]
         label = f"{case} {LABELS[v]}"
@@ -620,6 +623,8 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
                r["loss"] / base["loss"] if base else float("nan"))
         if v.startswith("fp8") and bf16:
             record(BENCH, label, "speedup", bf16["wall_ms"] / r["wall_ms"], "our spec FP8 off")
+        if v.startswith("fp8") and bf16_graphs:  # the same graphs without FP8: like for like
+            record(BENCH, label, "speedup", bf16_graphs["wall_ms"] / r["wall_ms"], "our spec FP8 off + graphs")
         if r["busy_ms"] == r["busy_ms"]:  # a device profile exists (not a CPU dry run)
             for c in CATEGORIES:
                 record(BENCH, f"{label} {c}", "dev ms", r["by_cat"][c])
@@ -702,7 +707,7 @@ def main(argv: List[str]) -> None:
     args = p.parse_args(argv)
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     skipped = {"local"} if layout.parallel or args.experts else set()
-    skipped |= {"fp8_graphs"} if args.experts else set()
+    skipped |= {"fp8_graphs", "bf16_graphs"} if args.experts else set()
     variants = [v for v in args.variants.split(",") if v and v not in skipped]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or args.warmup < 1 or args.steps < 1:

@@ -97,6 +97,35 @@ def test_delayed_gradients_go_to_main_grad_with_fused_accumulation():
         assert torch.equal(getattr(mlp, name).main_grad, getattr(plain, name).grad), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_delayed_fused_accumulation_adds_what_the_undelayed_fused_module_adds(kind, rname, dtype):
+    """With `fuse_wgrad_accumulation` both add the float32 weight gradient into a float32 `main_grad`, rounded
+    once (TransformerEngine's delayed GEMM accumulates into `main_grad` as its undelayed one does): `main_grad`
+    bitwise equal after each step, whatever the parameters' dtype."""
+    seed = seed_for(f"delay/fused/{kind}/{rname}/{dtype}")
+    torch.manual_seed(seed)
+    build, weights = BUILDERS[kind]
+    delayed = build(device="cpu", params_dtype=dtype, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    plain = build(device="cpu", params_dtype=dtype, fuse_wgrad_accumulation=True)
+    plain.load_state_dict(delayed.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name in weights:
+        start = torch.rand(getattr(delayed, name).shape, generator=gen)  # a gradient already accumulated
+        getattr(delayed, name).main_grad = start.clone()
+        getattr(plain, name).main_grad = start.clone()
+    x = torch.randn(16, 32, generator=gen).to(dtype)
+    for step in range(2):  # the second step: FP8 scales from the first
+        _backward(delayed, kind, x, RECIPES[rname])
+        _backward(plain, kind, x, RECIPES[rname])
+        delayed.backward_dw()
+        for name in weights:
+            assert getattr(delayed, name).grad is None
+            got, want = getattr(delayed, name).main_grad, getattr(plain, name).main_grad
+            assert torch.equal(got, want), (step, name, (got - want).abs().max().item())
+
+
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
 def test_delayed_gradients_under_torch_autocast(kind, rname):

@@ -671,11 +671,12 @@ def fp8_linear(
     `fuse_wgrad_accumulation`: the weight gradient is accumulated in float32 and added into `weight.main_grad`
     (checked by the caller, see `_main_grad.accumulates_into_main_grad`) instead of returned, as megatron's
     `gradient_accumulation_fusion` and TransformerEngine's option do: in FP8 the compiled path's wgrad GEMM
-    adds in its epilogue; under megatron's protocol autograd gets `_main_grad.placeholder_grad`. Ignored with
-    `wgrad_store` (its `backward_dw` accumulates).
+    adds in its epilogue; under megatron's protocol autograd gets `_main_grad.placeholder_grad`. With
+    `wgrad_store` the delayed computation keeps the float32 gradient (the high-precision path adds it itself)
+    and its `backward_dw` adds it, so delaying changes no bit of `main_grad` on the paths both take.
     """
     plan = _plan(state)
-    into = fuse_wgrad_accumulation and wgrad_store is None
+    into = fuse_wgrad_accumulation  # with `wgrad_store`: its delayed computation yields float32 (see above)
     fp8_gather = (
         sp_group is not None and plan is not None and plan.forward_scale is not None and wgrad_in_fp8
         and plan.key_state is not None and scales_shared_over(plan.key_state.group, sp_group)
@@ -685,7 +686,7 @@ def fp8_linear(
     if plan is None:
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         if wgrad_store is not None:
-            return high_precision_linear(x, w, bias, wgrad_store)
+            return high_precision_linear(x, w, bias, wgrad_store, owner=weight if into else None)
         if into:  # `weight` itself, or an FP8 parameter's dequantized value
             return linear_into_main_grad(x, w, bias, owner=weight)
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -3,10 +3,12 @@ is computed later, when the module's `backward_dw()` runs it (e.g. to fill pipel
 from __future__ import annotations
 
 import collections
-from typing import Callable, Deque, Tuple
+from typing import Callable, Deque, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from ._main_grad import add_weight_gradient
 
 
 class WgradStore:
@@ -34,17 +36,19 @@ class WgradStore:
 class _HighPrecisionLinear(torch.autograd.Function):
     """`F.linear` whose weight gradient goes to a `WgradStore` (the path outside an FP8 scope). Inside an
     autocast region it computes in the autocast dtype, as torch's autocast runs `F.linear`; its backward (and
-    the delayed weight gradient) use the dtypes of that forward, wherever they run."""
+    the delayed weight gradient) use the dtypes of that forward, wherever they run. With `owner` (fused
+    accumulation) the delayed computation adds the gradient into `owner.main_grad` itself, as the undelayed
+    fused path does (`_main_grad.add_weight_gradient`: float32 accumulation, one rounding), and returns None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store: WgradStore):
+    def forward(ctx, x, weight, bias, store: WgradStore, owner=None):
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         with torch.autocast(device_type, enabled=False):
             xc, wc = x.to(dtype), weight.to(dtype)
             out = F.linear(xc, wc, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(xc, wc)
-        ctx.store, ctx.has_bias = store, bias is not None
+        ctx.store, ctx.has_bias, ctx.owner = store, bias is not None, owner
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         return out
@@ -58,14 +62,19 @@ class _HighPrecisionLinear(torch.autograd.Function):
             g2, x2 = g.reshape(-1, g.shape[-1]), xc.reshape(-1, xc.shape[-1])
             grad_x = (g @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
             if ctx.needs_input_grad[1]:
-                w_dtype = ctx.w_dtype
-                ctx.store.put(lambda: (g2.t() @ x2).to(w_dtype), device_type)
+                w_dtype, owner = ctx.w_dtype, ctx.owner
+                if owner is not None:
+                    ctx.store.put(lambda: add_weight_gradient(owner.main_grad, g2, x2), device_type)
+                else:
+                    ctx.store.put(lambda: (g2.t() @ x2).to(w_dtype), device_type)
             grad_b = g2.sum(0).to(ctx.b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_b, None
+        return grad_x, None, grad_b, None, None
 
 
-def high_precision_linear(x, weight, bias, store: WgradStore) -> torch.Tensor:
-    return _HighPrecisionLinear.apply(x, weight, bias, store)
+def high_precision_linear(x, weight, bias, store: WgradStore, owner: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear` with its weight gradient left in `store`; with `owner`, that computation adds it into
+    `owner.main_grad` (see `_HighPrecisionLinear`)."""
+    return _HighPrecisionLinear.apply(x, weight, bias, store, owner)
 
 
 class DelayedWgrad:
@@ -81,7 +90,8 @@ class DelayedWgrad:
 
     def backward_dw(self, module: torch.nn.Module, fuse_wgrad_accumulation: bool, hooks) -> None:
         """Compute the oldest pending weight gradient of every weight; as TransformerEngine, it replaces
-        `.grad` (or is added into `main_grad` with fused accumulation); then the registered hooks run."""
+        `.grad` (or is added into `main_grad` with fused accumulation: the computation left a float32 gradient,
+        or None when it added it itself); then the registered hooks run."""
         if not any(len(store) for store in self.stores.values()):
             return
         for name, store in self.stores.items():
@@ -90,7 +100,8 @@ class DelayedWgrad:
             weight = getattr(module, name)
             grad = store.pop()
             if fuse_wgrad_accumulation:
-                weight.main_grad.add_(grad)
+                if grad is not None:
+                    weight.main_grad.add_(grad)
             else:
                 weight.grad = grad.to(weight.dtype)
         for hook in hooks:

@@ -468,13 +468,6 @@ def test_options_without_effect_on_results_are_accepted():
     torch.testing.assert_close(ln_out, F.layer_norm(x, (32,), ln.layer_norm_weight, ln.layer_norm_bias, 1e-5))
 
 
-def test_deferred_initialization_is_refused():
-    for make in (lambda: te.Linear(8, 8, device="meta"), lambda: te.LayerNormMLP(8, 8, device="meta"),
-                 lambda: te.LayerNorm(8, device="meta")):
-        with pytest.raises(NotImplementedError, match="device='meta'.*CPU or the GPU"):
-            make()
-
-
 def test_tp_size_without_group_asks_for_it():
     lin = te.Linear(32, 16, parallel_mode="column", tp_size=2, device="cpu")
     assert lin.weight.shape == (8, 32) and lin.weight.tensor_model_parallel and lin.weight.partition_dim == 0

@@ -76,6 +76,17 @@ class FP8State(torch.nn.Module):
         self.scales_known = False
         self.warned_unscaled = False  # the warning of `_note_scales_source` was given
 
+    def reset(self, device: torch.device) -> None:
+        """Fresh state on `device` (histories zero, scales one, no recipe recorded, nothing cached), the
+        history length kept: deferred initialization (`reset_parameters` of a module built on "meta")."""
+        history_len = self.fwd.amax_history.shape[1]
+        self.fwd = FP8Meta(2, self.fwd.tag, history_len=history_len, device=device)
+        self.bwd = FP8Meta(1, self.bwd.tag, history_len=history_len, device=device)
+        self.recipe = torch.zeros(6, dtype=torch.int64, device=device)
+        self.weight_fp8, self.weight_version, self.expert_stack = None, None, None
+        self._native_key, self._native_ok, self._prepared_for = None, False, None
+        self.scales_known = self.warned_unscaled = False
+
     def prepare(self, recipe: Recipe) -> None:
         if recipe is self._prepared_for or recipe == self._prepared_for:  # no host-to-device copy (capturable)
             return

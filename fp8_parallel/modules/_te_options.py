@@ -9,9 +9,11 @@ value and refused, with the reason and what to use instead, at any other. Option
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
+
+from ._deferred_init import default_device, record_init, zero_init
 
 # option -> (default, why another value is refused); None as the reason: any value is accepted (no effect on
 # any result, or implemented by the modules that read it)
@@ -57,14 +59,8 @@ def check_te_options(owner: str, allowed: Iterable[str], options: Dict[str, Any]
 
 def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """The parameters' device: None means CUDA when available, else the CPU; an explicit device is kept
-    (not "meta": deferred initialization is refused)."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "meta":
-        raise NotImplementedError("device='meta' (deferred initialization, then reset_parameters()) is not "
-                                  "supported: build the module on the CPU or the GPU")
-    return device
+    ("meta": deferred initialization, see `_deferred_init`)."""
+    return default_device() if device is None else torch.device(device)
 
 
 def resolve_dtype(owner: str, params_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -127,6 +123,33 @@ def check_forward_options(owner: str, fp8_output: Optional[bool], fp8_grad: Opti
             )
 
 
+def weight_initializer(init_method: Optional[Callable[[torch.Tensor], Any]],
+                       get_rng_state_tracker: Optional[Callable[[], Any]] = None,
+                       rng_tracker_name: Optional[str] = None) -> Callable[[torch.Tensor], None]:
+    """`init_weight` with these arguments, as one callable (run now, and again by `reset_parameters`)."""
+    return lambda weight: init_weight(weight, init_method, get_rng_state_tracker, rng_tracker_name)
+
+
+def add_weight(module: torch.nn.Module, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
+               init: Callable[[torch.Tensor], None]) -> torch.nn.Parameter:
+    """Register parameter `name` of `shape`, initialized by `init` (recorded for `reset_parameters`)."""
+    param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    with torch.no_grad():
+        init(param)
+    setattr(module, name, param)
+    record_init(module, name, init)
+    return param
+
+
+def add_bias(module: torch.nn.Module, name: str, size: int, dtype: torch.dtype, device: torch.device,
+             bias: bool = True) -> Optional[torch.nn.Parameter]:
+    """Register a zero bias `name` of `size` (or None without `bias`), recorded for `reset_parameters`."""
+    if not bias:
+        setattr(module, name, None)
+        return None
+    return add_weight(module, name, (size,), dtype, device, zero_init)
+
+
 def add_linear_parameters(module: torch.nn.Module, in_features: int, out_features: int, bias: bool,
                           dtype: torch.dtype, device: torch.device, init_method: Optional[Callable],
                           get_rng_state_tracker: Optional[Callable], tag: str,
@@ -136,8 +159,7 @@ def add_linear_parameters(module: torch.nn.Module, in_features: int, out_feature
     state (`fp8`, tagged `tag`)."""
     from ._core import FP8State
 
-    module.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-    init_weight(module.weight, init_method, get_rng_state_tracker, rng_tracker_name)
-    size = out_features if bias_features is None else bias_features
-    module.bias = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device)) if bias else None
+    add_weight(module, "weight", (out_features, in_features), dtype, device,
+               weight_initializer(init_method, get_rng_state_tracker, rng_tracker_name))
+    add_bias(module, "bias", out_features if bias_features is None else bias_features, dtype, device, bias)
     module.fp8 = FP8State(tag, device=device)

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._core import FP8State, fp8_linear
+from ._deferred_init import ResetParameters, check_materialized, record_norm_inits
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import accumulates_into_main_grad
-from ._te_options import (check_input, check_te_options, in_autocast_dtype, init_weight, resolve_device,
-                          resolve_dtype)
+from ._te_options import (add_bias, add_weight, check_input, check_te_options, in_autocast_dtype, resolve_device,
+                          resolve_dtype, weight_initializer)
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
 
@@ -92,7 +93,7 @@ def _gated(activation: str) -> bool:
     return activation in _GATED or activation == "clamped_swiglu"
 
 
-class LayerNormMLP(DelayedWgradMethods, torch.nn.Module):
+class LayerNormMLP(ResetParameters, DelayedWgradMethods, torch.nn.Module):
     """Norm, fc1, activation, fc2: TransformerEngine's `LayerNormMLP`.
 
     Args:
@@ -175,12 +176,14 @@ class LayerNormMLP(DelayedWgradMethods, torch.nn.Module):
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             hidden_size, normalization, zero_centered_gamma, dtype, device
         )
-        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
-        init_weight(self.fc1_weight, init_method, get_rng_state_tracker)
-        self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device)) if bias else None
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, local_ffn, dtype=dtype, device=device))
-        init_weight(self.fc2_weight, output_layer_init_method, get_rng_state_tracker)
-        self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
+        record_norm_inits(self, "layer_norm_weight", "layer_norm_bias" if self.layer_norm_bias is not None else None,
+                          zero_centered_gamma)
+        add_weight(self, "fc1_weight", (fc1_out, hidden_size), dtype, device,
+                   weight_initializer(init_method, get_rng_state_tracker))
+        add_bias(self, "fc1_bias", fc1_out, dtype, device, bias)
+        add_weight(self, "fc2_weight", (hidden_size, local_ffn), dtype, device,
+                   weight_initializer(output_layer_init_method, get_rng_state_tracker))
+        add_bias(self, "fc2_bias", hidden_size, dtype, device, bias)
         mark_sequence_parallel([self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias], self.tp.sequence_parallel)
         if self.tp.size > 1:
             for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
@@ -213,6 +216,7 @@ class LayerNormMLP(DelayedWgradMethods, torch.nn.Module):
         self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """Norm -> fc1 -> activation -> fc2 (both GEMMs in FP8 inside an enabled autocast scope)."""
+        check_materialized("LayerNormMLP", self.fc1_fp8.fwd.scale)
         check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
         inp = in_autocast_dtype(inp)
         # fc2's bias goes into the GEMM only when no TP reduction follows it

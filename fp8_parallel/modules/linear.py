@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import fp8_linear
+from ._deferred_init import ResetParameters, check_materialized
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import accumulates_into_main_grad
 from ._te_options import (
@@ -27,7 +28,7 @@ _LINEAR_OPTIONS = (
 )
 
 
-class Linear(DelayedWgradMethods, torch.nn.Module):
+class Linear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
     """FP8 linear layer `y = x @ weight.T + bias`, TransformerEngine's `Linear`.
 
     Args:
@@ -127,6 +128,7 @@ class Linear(DelayedWgradMethods, torch.nn.Module):
         `fp8_output` / `fp8_grad` (TransformerEngine's) must stay False."""
         check_forward_options("Linear", fp8_output, fp8_grad)
         row = self.tp.mode == "row"
+        check_materialized("Linear", self.fp8.fwd.scale)
         check_input("Linear", inp, self.weight.shape[1], "in_features/tp_size" if row else "in_features")
         inp = in_autocast_dtype(inp)
         bias = self.bias if not self.return_bias and not row else None

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from ._grouped_core import check_splits, expert_states, grouped_fp8_linear
+from ._deferred_init import ResetParameters, check_materialized
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import accumulates_into_main_grad
-from ._te_options import (check_input, check_te_options, in_autocast_dtype, init_weight, resolve_device,
-                          resolve_dtype)
+from ._te_options import (add_bias, add_weight, check_input, check_te_options, in_autocast_dtype, resolve_device,
+                          resolve_dtype, weight_initializer)
 from ._tensor_parallel import TensorParallel, mark_partitioned
 
 # TransformerEngine's GroupedLinear options handled by `check_te_options` (accepted at their defaults, or
@@ -28,7 +29,7 @@ _GROUPED_OPTIONS = ("fuse_wgrad_accumulation", "ub_overlap_rs", "ub_overlap_ag",
 _SINGLE_PARAMETER_OPTIONS = ("single_grouped_weight", "single_grouped_bias")
 
 
-class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
+class GroupedLinear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
     """`num_gemms` FP8 linears over consecutive row blocks of one input: rows `sum(m_splits[:i]) :
     sum(m_splits[:i+1])` of the input go through `y_i = x_i @ weight{i}.T + bias{i}`. TransformerEngine's
     `GroupedLinear`, as MoE layers use it for their experts.
@@ -113,14 +114,12 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
         self.in_features = self.tp.split(in_features, "in_features") if parallel_mode == "row" else in_features
         self.out_features = self.tp.split(out_features, "out_features") if parallel_mode == "column" else out_features
         self.use_bias, self.return_bias = bool(bias), return_bias
+        init = weight_initializer(init_method, get_rng_state_tracker, rng_tracker_name)
         for i in range(num_gemms):  # TransformerEngine's order: weight0, bias0, weight1, ...
-            w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=dtype, device=device))
-            init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name)
+            w = add_weight(self, f"weight{i}", (self.out_features, self.in_features), dtype, device, init)
             if self.tp.size > 1 and parallel_mode is not None:
                 mark_partitioned(w, 1 if parallel_mode == "row" else 0)
-            self.register_parameter(f"weight{i}", w)
-            b = torch.nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device)) if bias else None
-            self.register_parameter(f"bias{i}", b)
+            add_bias(self, f"bias{i}", self.out_features, dtype, device, bias)
         self._init_delayed_wgrad(delay_wgrad_compute, [f"weight{i}" for i in range(num_gemms)],
                                  [f"bias{i}" for i in range(num_gemms)])
         tag = (name or f"GroupedLinear({in_features},{out_features})").replace("{", "{{").replace("}", "}}")
@@ -168,6 +167,7 @@ class GroupedLinear(DelayedWgradMethods, torch.nn.Module):
             if buffer is not None:
                 raise NotImplementedError(f"GroupedLinear.forward({label}=...): preallocated buffers are not "
                                           f"implemented; leave {label}=None (the result is a new tensor)")
+        check_materialized("GroupedLinear", self.fp8[0].fwd.scale)
         check_input("GroupedLinear", inp, self.in_features,
                     "in_features/tp_size" if self.tp.mode == "row" and self.tp.size > 1 else "in_features")
         inp = in_autocast_dtype(inp)

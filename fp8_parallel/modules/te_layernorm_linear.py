@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import fp8_linear
+from ._deferred_init import ResetParameters, check_materialized, record_norm_inits
 from ._delayed_wgrad import DelayedWgradMethods
 from ._main_grad import accumulates_into_main_grad
 from ._te_options import (
@@ -27,7 +28,7 @@ _LAYERNORM_LINEAR_OPTIONS = (
 )
 
 
-class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
+class LayerNormLinear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
     """`normalization(x) @ weight.T + bias`, TransformerEngine's `LayerNormLinear`.
 
     Args:
@@ -101,6 +102,8 @@ class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             in_features, normalization, zero_centered_gamma, dtype, device
         )
+        record_norm_inits(self, "layer_norm_weight", "layer_norm_bias" if self.layer_norm_bias is not None else None,
+                          zero_centered_gamma)
         mark_sequence_parallel([self.layer_norm_weight, self.layer_norm_bias], self.tp.sequence_parallel)
         local_out = self.tp.split(out_features, "out_features") if parallel_mode == "column" else out_features
         add_linear_parameters(self, in_features, local_out, bias, dtype, device, init_method,
@@ -129,6 +132,7 @@ class LayerNormLinear(DelayedWgradMethods, torch.nn.Module):
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """Norm, then the FP8 linear; `fp8_output` / `fp8_grad` (TransformerEngine's) must stay False."""
         check_forward_options("LayerNormLinear", fp8_output, fp8_grad)
+        check_materialized("LayerNormLinear", self.fp8.fwd.scale)
         check_input("LayerNormLinear", inp, self.in_features)
         inp = in_autocast_dtype(inp)
         ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ._deferred_init import record_init, recorded_inits
 from ._main_grad import weight_for_gemm
 from ._te_options import check_te_options, resolve_device
 from .linear import Linear
@@ -95,6 +96,8 @@ class _SplitParameters:
 
     def _split(self, parts: Dict[str, int]) -> None:
         weight, bias = self._parameters.pop("weight"), self._parameters.pop("bias")
+        inits = recorded_inits(self)
+        weight_init, bias_init = inits.pop("weight"), inits.pop("bias", None)
         tp = self.tp.size if self.tp.mode == "column" else 1
         self._parts: List[str] = list(parts)
         start = 0
@@ -105,12 +108,14 @@ class _SplitParameters:
                 if hasattr(weight, attr):
                     setattr(w, attr, getattr(weight, attr))
             self.register_parameter(f"{part}_weight", w)
+            record_init(self, f"{part}_weight", weight_init)
             if bias is not None:
                 b = torch.nn.Parameter(bias.detach()[start:start + local].clone())
                 for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
                     if hasattr(bias, attr):
                         setattr(b, attr, getattr(bias, attr))
                 self.register_parameter(f"{part}_bias", b)
+                record_init(self, f"{part}_bias", bias_init)
             else:
                 self.register_parameter(f"{part}_bias", None)
             start += local

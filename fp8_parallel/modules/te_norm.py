@@ -5,6 +5,7 @@ from typing import Iterable, Optional, Tuple, Union
 
 import torch
 
+from ._deferred_init import ResetParameters, check_materialized, record_norm_inits
 from ._te_options import in_autocast_dtype, resolve_device, resolve_dtype
 from .norm import normalize
 
@@ -23,7 +24,7 @@ def _shape(owner: str, normalized_shape: Optional[Shape], hidden_size: Optional[
     return shape
 
 
-class _Norm(torch.nn.Module):
+class _Norm(ResetParameters, torch.nn.Module):
     _owner = "norm"
     _with_bias = True
 
@@ -47,6 +48,7 @@ class _Norm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full(self.normalized_shape, gain, dtype=dtype, device=device))
         self.bias = (torch.nn.Parameter(torch.zeros(self.normalized_shape, dtype=dtype, device=device))
                      if self._with_bias else None)
+        record_norm_inits(self, "weight", "bias" if self._with_bias else None, zero_centered_gamma)
         if sequence_parallel is not None:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -56,6 +58,7 @@ class _Norm(torch.nn.Module):
         """The input made contiguous (results independent of its strides: torch reduces in stride order) and,
         inside `torch.autocast`, cast to the autocast dtype, as TransformerEngine's norms and our linear
         modules do (torch's own autocast would run layer_norm / rms_norm in float32)."""
+        check_materialized(self._owner, self.weight)
         return in_autocast_dtype(inp.contiguous())
 
     def _normalize(self, inp: torch.Tensor, normalization: str) -> torch.Tensor:

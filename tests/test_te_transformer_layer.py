@@ -244,6 +244,26 @@ def test_dropout_deterministic_under_seed_and_off_in_eval():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_drop_path_rate_one_drops_both_branches(fp8):
+    """`drop_path_rate=1.0` (TE's sanity tests build it): in training both branches contribute zeros, so the
+    layer passes its input through, with finite zero gradients for the branches' parameters (TE's formula
+    divides by 1 - rate and gives NaN); in eval the branches run."""
+    seed = _seed(f"layer/drop_path_one/{fp8}")
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, drop_path_rate=1.0,
+                                device="cpu")
+    randomize(layer, torch.Generator().manual_seed(seed))
+    x = torch.randn(8, 4, HIDDEN, generator=torch.Generator().manual_seed(seed + 1), requires_grad=True)
+    with te.autocast(enabled=fp8, recipe=te.DelayedScaling()):
+        out = layer(x)
+    assert torch.equal(out, x)
+    out.square().sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+    assert all(p.grad is None or (torch.isfinite(p.grad).all() and not p.grad.any()) for p in layer.parameters())
+    layer.eval()
+    assert not torch.allclose(layer(x), x)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_amp_runs_the_layer_in_the_autocast_dtype(fp8):
     """Inside `torch.autocast` the layer casts `hidden_states` to the autocast dtype first, as TE's does (TE's
     test_sanity AMP checks): the output has that dtype; the input and parameter gradients stay float32."""

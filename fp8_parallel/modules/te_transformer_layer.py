@@ -30,7 +30,9 @@ _LAYER_OPTIONS = ("fuse_wgrad_accumulation", "seq_length", "micro_batch_size")
 
 class _DropPath(torch.nn.Module):
     """Stochastic depth, TransformerEngine's `DropPath`: in training, each index of the first dimension is
-    zeroed with probability `drop_prob` (the rest scaled by `1 / (1 - drop_prob)`), from the default generator."""
+    zeroed with probability `drop_prob` (the rest scaled by `1 / (1 - drop_prob)`), from the default generator.
+    `drop_prob=1` drops every index: the branch contributes zeros (TransformerEngine's formula divides by 0
+    there and yields NaN)."""
 
     def __init__(self, drop_prob: float):
         super().__init__()
@@ -40,6 +42,8 @@ class _DropPath(torch.nn.Module):
         if self.drop_prob == 0.0 or not self.training:
             return x
         keep = 1 - self.drop_prob
+        if keep == 0.0:
+            return x * 0.0  # zeros, and zero gradients for the branch
         mask = (keep + torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)).floor_()
         return x.div(keep) * mask
 
@@ -64,7 +68,8 @@ class TransformerLayer(torch.nn.Module):
         parallel_attention_mlp: attention and MLP on the same input, their outputs summed into one residual
             (encoders only, without post-layernorm residuals or `output_layernorm`, as in TransformerEngine).
         layer_type: "encoder" or "decoder" (adds `inter_attention`, cross-attention over `encoder_output`).
-        drop_path_rate: stochastic depth of the self-attention and MLP branches (training only).
+        drop_path_rate: stochastic depth of the self-attention and MLP branches (training only); 1.0 drops both
+            (their outputs are zeros).
         fuse_qkv_params, qkv_weight_interleaved, rotary_pos_interleaved, qk_norm_type, qk_norm_eps,
             qk_norm_before_rope, softmax_type: as for `MultiheadAttention`.
         bias: the linear layers learn biases. activation: as for `LayerNormMLP`.
@@ -143,9 +148,10 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError("TransformerLayer(parallel_attention_mlp=True) needs layer_type='encoder', "
                              "apply_residual_connection_post_layernorm=False and output_layernorm=False "
                              "(as in TransformerEngine)")
-        for label, p in (("hidden_dropout", hidden_dropout), ("drop_path_rate", drop_path_rate)):
-            if not 0.0 <= float(p) < 1.0:
-                raise ValueError(f"TransformerLayer({label}={p!r}): expected a probability in [0, 1)")
+        if not 0.0 <= float(hidden_dropout) < 1.0:
+            raise ValueError(f"TransformerLayer(hidden_dropout={hidden_dropout!r}): expected a probability in [0, 1)")
+        if not 0.0 <= float(drop_path_rate) <= 1.0:
+            raise ValueError(f"TransformerLayer(drop_path_rate={drop_path_rate!r}): expected a probability in [0, 1]")
         if tp_group is not None:
             if not isinstance(tp_group, dist.ProcessGroup):
                 raise TypeError(f"TransformerLayer(tp_group={tp_group!r}): expected a ProcessGroup or None")

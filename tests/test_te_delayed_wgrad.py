@@ -126,6 +126,35 @@ def test_delayed_fused_accumulation_adds_what_the_undelayed_fused_module_adds(ki
             assert torch.equal(got, want), (step, name, (got - want).abs().max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rname", list(RECIPES))
+def test_gpu_delayed_fused_accumulation_matches_the_undelayed_module(rname, dtype):
+    """TE's `test_linear_accuracy_delay_wgrad_compute` with fused accumulation, on CUDA: without FP8 both add
+    with the same `addmm` into `main_grad`, bitwise; in FP8 the undelayed compiled path adds in its GEMM's
+    epilogue and the delayed one after the same GEMM, so they agree to float32 rounding of the sum."""
+    seed = seed_for(f"delay/fused/gpu/{rname}/{dtype}")
+    torch.manual_seed(seed)
+    delayed = te.Linear(256, 384, params_dtype=dtype, device="cuda", delay_wgrad_compute=True,
+                        fuse_wgrad_accumulation=True)
+    plain = te.Linear(256, 384, params_dtype=dtype, device="cuda", fuse_wgrad_accumulation=True)
+    plain.load_state_dict(delayed.state_dict())
+    start = torch.rand(384, 256, device="cuda")
+    delayed.weight.main_grad, plain.weight.main_grad = start.clone(), start.clone()
+    x = torch.randn(128, 256, device="cuda").to(dtype)
+    for step in range(2):
+        _backward(delayed, "Linear", x, RECIPES[rname])
+        _backward(plain, "Linear", x, RECIPES[rname])
+        delayed.backward_dw()
+        got, want = delayed.weight.main_grad, plain.weight.main_grad
+        if rname == "hp":
+            assert torch.equal(got, want), step
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        assert not torch.equal(got, start)
+
+
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
 def test_delayed_gradients_under_torch_autocast(kind, rname):

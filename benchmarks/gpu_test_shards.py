@@ -68,7 +68,7 @@ def main() -> int:
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = device
         log = open(junit_dir / f"shard{n}.log", "w")
-        cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "--tb=short", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "--tb=short", "-p", "no:cacheprovider",
                f"--junitxml={junit_dir / f'shard{n}.xml'}", *tests]
         procs.append((n, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + args.timeout

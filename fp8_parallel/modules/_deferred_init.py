@@ -88,15 +88,16 @@ class ResetParameters:
         if defer_init:
             return
         device = default_device()
+        inits = recorded_inits(self)
+        for name in inits:  # all on the device first: an initializer may fill several (split parameters)
+            param = self._parameters.get(name)
+            if param is not None and param.is_meta:
+                self._parameters[name] = _materialized(param, device)
         with torch.no_grad():
-            for name, init in recorded_inits(self).items():
+            for name, init in inits.items():
                 param = self._parameters.get(name)
-                if param is None:
-                    continue
-                if param.is_meta:
-                    param = _materialized(param, device)
-                    self._parameters[name] = param
-                init(param)
+                if param is not None:
+                    init(param)
         for state in _owned_fp8_states(self):
             if state.fwd.scale.is_meta:
                 state.reset(device)

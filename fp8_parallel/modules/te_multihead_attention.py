@@ -88,6 +88,10 @@ class _L2Normalization(torch.nn.Module):
         return x * torch.rsqrt(x.float().square().sum(-1, keepdim=True) + self.eps).to(x.dtype)
 
 
+def _no_init(_: torch.Tensor) -> None:
+    """The initializer of a split weight's later parts (the first part's fills them)."""
+
+
 class _SplitParameters:
     """Mixin for `Linear` / `LayerNormLinear`: TransformerEngine's `parameters_split`. The weight and bias the
     base class made (this rank's rows, initialized) become one parameter per part, `{part}_weight` /
@@ -98,6 +102,7 @@ class _SplitParameters:
         weight, bias = self._parameters.pop("weight"), self._parameters.pop("bias")
         inits = recorded_inits(self)
         weight_init, bias_init = inits.pop("weight"), inits.pop("bias", None)
+        names = [f"{part}_weight" for part in parts]
         tp = self.tp.size if self.tp.mode == "column" else 1
         self._parts: List[str] = list(parts)
         start = 0
@@ -108,7 +113,9 @@ class _SplitParameters:
                 if hasattr(weight, attr):
                     setattr(w, attr, getattr(weight, attr))
             self.register_parameter(f"{part}_weight", w)
-            record_init(self, f"{part}_weight", weight_init)
+            # the first part's initializer draws the whole weight, as the constructor did, and hands every
+            # part its rows (the same values on any device); the others' do nothing
+            record_init(self, f"{part}_weight", self._joint_init(names, weight_init) if start == 0 else _no_init)
             if bias is not None:
                 b = torch.nn.Parameter(bias.detach()[start:start + local].clone())
                 for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
@@ -119,6 +126,16 @@ class _SplitParameters:
             else:
                 self.register_parameter(f"{part}_bias", None)
             start += local
+
+    def _joint_init(self, names: List[str], init: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], None]:
+        def run(_: torch.Tensor) -> None:
+            parts = [self._parameters[name] for name in names]
+            whole = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype,
+                                device=parts[0].device)
+            init(whole)
+            for p, rows in zip(parts, whole.split([p.shape[0] for p in parts])):
+                p.copy_(rows)
+        return run
 
     def _joined(self, kind: str) -> Optional[torch.Tensor]:
         if kind in self._parameters:  # during the base class's constructor

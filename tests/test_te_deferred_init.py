@@ -149,3 +149,26 @@ def test_gpu_meta_module_allocates_no_device_memory_until_reset(kind):
     _reset_all(module)
     assert torch.cuda.memory_allocated() > before
     assert all(t.is_cuda for t in list(module.parameters()) + list(module.buffers()))
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_modules_still_pickle_and_a_deep_copy_resets_only_itself(kind):
+    """The recorded initializers are plain functions and partials: a module pickles as before they existed, and
+    `reset_parameters()` of a deep copy draws into the copy, never into the module it was copied from."""
+    import copy
+    import pickle
+
+    seed = seed_for(f"deferred/copy/{kind}")
+    torch.manual_seed(seed)
+    module = BUILDERS[kind](device=default_device())
+    with torch.no_grad():  # trained values, which a reset replaces (norm gains included)
+        for p in module.parameters():
+            p.add_(torch.randn_like(p))
+    restored = pickle.loads(pickle.dumps(module))
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), restored.parameters()))
+    before = [p.detach().clone() for p in module.parameters()]
+    twin = copy.deepcopy(module)
+    _reset_all(twin)
+    _reset_all(restored)
+    assert all(torch.equal(p, old) for p, old in zip(module.parameters(), before))
+    assert all(not torch.equal(p, old) for p, old in zip(twin.parameters(), before))

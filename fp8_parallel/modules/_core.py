@@ -62,8 +62,12 @@ class FP8State(torch.nn.Module):
             from ..recipe import DelayedScaling
 
             history_len = DelayedScaling().amax_history_len
-        self.fwd = FP8Meta(2, f"{tag}/fwd", history_len=history_len, device=device)
-        self.bwd = FP8Meta(1, f"{tag}/bwd", history_len=history_len, device=device)
+        self._fresh_state(f"{tag}/fwd", f"{tag}/bwd", history_len, device)
+
+    def _fresh_state(self, fwd_tag: str, bwd_tag: str, history_len: int, device: Optional[torch.device]) -> None:
+        """Histories zero, scales one, no recipe recorded, nothing cached."""
+        self.fwd = FP8Meta(2, fwd_tag, history_len=history_len, device=device)
+        self.bwd = FP8Meta(1, bwd_tag, history_len=history_len, device=device)
         self.register_buffer("recipe", torch.zeros(6, dtype=torch.int64, device=device))
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)
         self.weight_version: Optional[int] = None  # the weight's version counter when it was cached
@@ -77,15 +81,9 @@ class FP8State(torch.nn.Module):
         self.warned_unscaled = False  # the warning of `_note_scales_source` was given
 
     def reset(self, device: torch.device) -> None:
-        """Fresh state on `device` (histories zero, scales one, no recipe recorded, nothing cached), the
-        history length kept: deferred initialization (`reset_parameters` of a module built on "meta")."""
-        history_len = self.fwd.amax_history.shape[1]
-        self.fwd = FP8Meta(2, self.fwd.tag, history_len=history_len, device=device)
-        self.bwd = FP8Meta(1, self.bwd.tag, history_len=history_len, device=device)
-        self.recipe = torch.zeros(6, dtype=torch.int64, device=device)
-        self.weight_fp8, self.weight_version, self.expert_stack = None, None, None
-        self._native_key, self._native_ok, self._prepared_for = None, False, None
-        self.scales_known = self.warned_unscaled = False
+        """Fresh state on `device`, the history length kept: deferred initialization (`reset_parameters` of a
+        module built on "meta")."""
+        self._fresh_state(self.fwd.tag, self.bwd.tag, self.fwd.amax_history.shape[1], device)
 
     def prepare(self, recipe: Recipe) -> None:
         if recipe is self._prepared_for or recipe == self._prepared_for:  # no host-to-device copy (capturable)

@@ -6,12 +6,15 @@ CPU) and initializes them as the constructor does, so FSDP's and TransformerEngi
 `reset_parameters()` per module) works. On a module whose parameters are already on a device it initializes
 them again in place (the same distributions), as TransformerEngine's does; FP8 state on a device is left as it is.
 
-Each constructor records how it initializes each parameter it owns (`record_init`); a module made of others
+Each constructor records how it initializes each parameter it owns (`record_init`: module-level functions and
+`functools.partial`s of them, so a module still pickles and a deep copy does not reach the original); a module
+made of others
 (`MultiheadAttention`, `TransformerLayer`) owns none and needs no method of its own: call `reset_parameters()` on
 every module that has it, e.g. `for m in model.modules(): getattr(m, "reset_parameters", lambda: None)()`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
@@ -34,16 +37,19 @@ def zero_init(param: torch.Tensor) -> None:
     param.zero_()
 
 
-def fill_init(value: float) -> Init:
-    """A norm gain's initialization: `value` everywhere (1, or 0 when zero-centered)."""
-    return lambda param: param.fill_(value)
+def no_init(param: torch.Tensor) -> None:
+    """An initializer that leaves the parameter alone (another one fills it)."""
 
 
-def record_norm_inits(module: torch.nn.Module, weight: str, bias: Optional[str], zero_centered_gamma: bool) -> None:
-    """Record a norm's gain `weight` (1, or 0 when zero-centered) and `bias` (0) initializers."""
-    record_init(module, weight, fill_init(0.0 if zero_centered_gamma else 1.0))
-    if bias is not None:
-        record_init(module, bias, zero_init)
+def _fill(param: torch.Tensor, value: float) -> None:
+    param.fill_(value)
+
+
+def record_norm_inits(module: torch.nn.Module, weight: str, bias: str, zero_centered_gamma: bool) -> None:
+    """Record a norm's gain `weight` (1, or 0 when zero-centered) and `bias` (0; a None bias is skipped)
+    initializers."""
+    record_init(module, weight, functools.partial(_fill, value=0.0 if zero_centered_gamma else 1.0))
+    record_init(module, bias, zero_init)
 
 
 def check_materialized(owner: str, tensor: torch.Tensor) -> None:
@@ -89,7 +95,7 @@ class ResetParameters:
             return
         device = default_device()
         inits = recorded_inits(self)
-        for name in inits:  # all on the device first: an initializer may fill several (split parameters)
+        for name in inits:
             param = self._parameters.get(name)
             if param is not None and param.is_meta:
                 self._parameters[name] = _materialized(param, device)

@@ -9,6 +9,7 @@ value and refused, with the reason and what to use instead, at any other. Option
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
@@ -127,7 +128,8 @@ def weight_initializer(init_method: Optional[Callable[[torch.Tensor], Any]],
                        get_rng_state_tracker: Optional[Callable[[], Any]] = None,
                        rng_tracker_name: Optional[str] = None) -> Callable[[torch.Tensor], None]:
     """`init_weight` with these arguments, as one callable (run now, and again by `reset_parameters`)."""
-    return lambda weight: init_weight(weight, init_method, get_rng_state_tracker, rng_tracker_name)
+    return functools.partial(init_weight, init_method=init_method, get_rng_state_tracker=get_rng_state_tracker,
+                             rng_tracker_name=rng_tracker_name)
 
 
 def add_weight(module: torch.nn.Module, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -176,8 +176,7 @@ class LayerNormMLP(ResetParameters, DelayedWgradMethods, torch.nn.Module):
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             hidden_size, normalization, zero_centered_gamma, dtype, device
         )
-        record_norm_inits(self, "layer_norm_weight", "layer_norm_bias" if self.layer_norm_bias is not None else None,
-                          zero_centered_gamma)
+        record_norm_inits(self, "layer_norm_weight", "layer_norm_bias", zero_centered_gamma)
         add_weight(self, "fc1_weight", (fc1_out, hidden_size), dtype, device,
                    weight_initializer(init_method, get_rng_state_tracker))
         add_bias(self, "fc1_bias", fc1_out, dtype, device, bias)

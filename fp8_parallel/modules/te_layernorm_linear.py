@@ -102,8 +102,7 @@ class LayerNormLinear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
         self.layer_norm_weight, self.layer_norm_bias = make_norm_parameters(
             in_features, normalization, zero_centered_gamma, dtype, device
         )
-        record_norm_inits(self, "layer_norm_weight", "layer_norm_bias" if self.layer_norm_bias is not None else None,
-                          zero_centered_gamma)
+        record_norm_inits(self, "layer_norm_weight", "layer_norm_bias", zero_centered_gamma)
         mark_sequence_parallel([self.layer_norm_weight, self.layer_norm_bias], self.tp.sequence_parallel)
         local_out = self.tp.split(out_features, "out_features") if parallel_mode == "column" else out_features
         add_linear_parameters(self, in_features, local_out, bias, dtype, device, init_method,

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._deferred_init import record_init, recorded_inits
+from ._deferred_init import no_init, record_init, recorded_inits
 from ._main_grad import weight_for_gemm
 from ._te_options import check_te_options, resolve_device
 from .linear import Linear
@@ -88,10 +88,6 @@ class _L2Normalization(torch.nn.Module):
         return x * torch.rsqrt(x.float().square().sum(-1, keepdim=True) + self.eps).to(x.dtype)
 
 
-def _no_init(_: torch.Tensor) -> None:
-    """The initializer of a split weight's later parts (the first part's fills them)."""
-
-
 class _SplitParameters:
     """Mixin for `Linear` / `LayerNormLinear`: TransformerEngine's `parameters_split`. The weight and bias the
     base class made (this rank's rows, initialized) become one parameter per part, `{part}_weight` /
@@ -101,8 +97,7 @@ class _SplitParameters:
     def _split(self, parts: Dict[str, int]) -> None:
         weight, bias = self._parameters.pop("weight"), self._parameters.pop("bias")
         inits = recorded_inits(self)
-        weight_init, bias_init = inits.pop("weight"), inits.pop("bias", None)
-        names = [f"{part}_weight" for part in parts]
+        self._whole_weight_init, bias_init = inits.pop("weight"), inits.pop("bias", None)
         tp = self.tp.size if self.tp.mode == "column" else 1
         self._parts: List[str] = list(parts)
         start = 0
@@ -113,9 +108,7 @@ class _SplitParameters:
                 if hasattr(weight, attr):
                     setattr(w, attr, getattr(weight, attr))
             self.register_parameter(f"{part}_weight", w)
-            # the first part's initializer draws the whole weight, as the constructor did, and hands every
-            # part its rows (the same values on any device); the others' do nothing
-            record_init(self, f"{part}_weight", self._joint_init(names, weight_init) if start == 0 else _no_init)
+            record_init(self, f"{part}_weight", no_init)  # drawn as one weight by `reset_parameters`
             if bias is not None:
                 b = torch.nn.Parameter(bias.detach()[start:start + local].clone())
                 for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
@@ -127,15 +120,19 @@ class _SplitParameters:
                 self.register_parameter(f"{part}_bias", None)
             start += local
 
-    def _joint_init(self, names: List[str], init: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], None]:
-        def run(_: torch.Tensor) -> None:
-            parts = [self._parameters[name] for name in names]
-            whole = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype,
-                                device=parts[0].device)
-            init(whole)
+    def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
+        """As the base class's, the parts' weights drawn as one weight and split, as the constructor did (the
+        same values for the same seed on any device)."""
+        super().reset_parameters(defer_init)
+        if defer_init:
+            return
+        parts = [self._parameters[f"{part}_weight"] for part in self._parts]
+        whole = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype,
+                            device=parts[0].device)
+        self._whole_weight_init(whole)
+        with torch.no_grad():
             for p, rows in zip(parts, whole.split([p.shape[0] for p in parts])):
                 p.copy_(rows)
-        return run
 
     def _joined(self, kind: str) -> Optional[torch.Tensor]:
         if kind in self._parameters:  # during the base class's constructor

@@ -48,7 +48,7 @@ class _Norm(ResetParameters, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full(self.normalized_shape, gain, dtype=dtype, device=device))
         self.bias = (torch.nn.Parameter(torch.zeros(self.normalized_shape, dtype=dtype, device=device))
                      if self._with_bias else None)
-        record_norm_inits(self, "weight", "bias" if self._with_bias else None, zero_centered_gamma)
+        record_norm_inits(self, "weight", "bias", zero_centered_gamma)
         if sequence_parallel is not None:
             for p in (self.weight, self.bias):
                 if p is not None:

@@ -150,7 +150,11 @@ def graph_megatron_layers(
     Use the returned object's `forward_step(func)` as megatron's `forward_step_func`.
 
     Under megatron's DistributedDataParallel the backward graphs add the layers' gradients into `main_grad`
-    (`accumulate_into_main_grad`, see `make_graphed_callables`).
+    (`accumulate_into_main_grad`, see `make_graphed_callables`). Static buffers are shared between
+    microbatches that are never in flight together and parameter gradients are returned uncopied
+    (`_reuse_graph_input_output_buffers=True`, `clone_param_grads_on_return=False`): megatron's schedule
+    consumes each output and gradient before a later replay writes its buffer; code of your own that keeps
+    a layer's output or a parameter gradient hook's tensor across microbatches must copy it.
 
     Layers with dropout fork megatron's RNG tracker; capturing them needs its graph-safe states
     (`model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)`), which every graph registers.
@@ -182,5 +186,8 @@ def graph_megatron_layers(
         flat, [()] * len(samples), sample_kwargs=samples, num_warmup_iters=num_warmup_iters,
         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe, fp8_weight_caching=fp8_weight_caching,
         order=order, pool=pool, accumulate_into_main_grad=accumulate_into_main_grad,
+        # megatron's schedule consumes each output (sent on, or the loss) and each gradient (added into .grad
+        # or main_grad) before the buffers holding it are written again
+        _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False,
     )
     return GraphedPipeline(chunks, layers, num_microbatches, [[layer.forward for layer in ls] for ls in layers])

@@ -15,7 +15,7 @@ from .graphed_callable import GraphedCallable
 from .layout import Layout, expand_samples, layout_of
 from .recording import _fp8_states, _restore_fp8_state, _save_fp8_state
 from .rng import RngSnapshot, TrackerWatch, graph_safe_generators
-from .runners import (RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _lifetime_slots, _SlotBuffers,
+from .runners import (HeldOutputs, RunOptions, _EagerRunner, _GradBuffers, _GraphRunner, _SlotBuffers, buffer_plan,
                       main_grad_positions, protocol_positions)
 
 
@@ -81,14 +81,16 @@ def make_graphed_callables(
     order: Optional[List[int]] = None,
     _order: Optional[List[int]] = None,
     _num_layers_per_chunk: Optional[Union[int, List[int]]] = None,
-    _reuse_graph_input_output_buffers: bool = True,
+    _reuse_graph_input_output_buffers: bool = False,
     pool: Optional[Any] = None,
     retain_graph_in_backward: bool = False,
-    clone_param_grads_on_return: bool = True,
+    clone_param_grads_on_return: Optional[bool] = None,
+    _clone_param_grads_on_return: Optional[bool] = None,
     pre_warmup_hook: Optional[Callable[[], Any]] = None,
     post_warmup_hook: Optional[Callable[[], Any]] = None,
     capture_time_hooks: Optional[list] = None,
     accumulate_into_main_grad: bool = False,
+    check_held_outputs: bool = False,
 ):
     """Capture forward and backward CUDA graphs of `modules` (callables or `nn.Module`s).
 
@@ -119,13 +121,21 @@ def make_graphed_callables(
         _order: the same order, TransformerEngine's name; it also selects TransformerEngine's return layout
             (below). Give `order` or `_order`, not both.
         _num_layers_per_chunk: callables per chunk (an int, or one per chunk) when they differ.
-        _reuse_graph_input_output_buffers: accepted for TransformerEngine; static buffers are always shared
-            by microbatches that are never in flight together.
+        _reuse_graph_input_output_buffers: share static inputs, outputs and input gradients between the
+            microbatches of a callable that are never in flight together in the order (TransformerEngine's
+            option, off by default as there). Off: each microbatch has its own, so outputs a caller keeps
+            from several microbatches stay as they were until that microbatch replays again (next step).
+            On: a later microbatch's replay writes into an earlier one's outputs and input gradients; use it
+            only where each is consumed before then (megatron's schedule: `graph_megatron_layers` turns it
+            on). Each replay bumps the version counter of what it writes, so autograd refuses a backward
+            that saved an overwritten value.
         pool: a memory pool handle (`torch.cuda.graph_pool_handle()`) to capture into (default: a new one).
         retain_graph_in_backward: keep the autograd graph when capturing (and running) backwards.
-        clone_param_grads_on_return: accepted, True or False: the parameter gradients a replayed backward
-            returns are copied by autograd into `.grad` either way, so they never alias the graph's buffers
-            (TransformerEngine's False skips that copy and lets them alias).
+        clone_param_grads_on_return: (or TransformerEngine's earlier `_clone_param_grads_on_return`; default
+            True) the parameter gradients a replayed backward returns are copies, so a gradient hook or
+            gradient-accumulation code that keeps one keeps its own tensor. False skips the copy: they are
+            the graph's static buffers, overwritten by the callable's next backward (`.grad` is still
+            accumulated into a tensor of its own by autograd).
         pre_warmup_hook, post_warmup_hook: called once (no arguments) before / after all warm-up passes.
         capture_time_hooks: only None (not implemented; refused with NotImplementedError).
         accumulate_into_main_grad: for parameters under megatron's DistributedDataParallel (a `main_grad` and
@@ -135,6 +145,10 @@ def make_graphed_callables(
             turns it on. Needs those parameters to get gradient only from their callable. Either way, a
             module inside that adds into `main_grad` itself (`fuse_wgrad_accumulation`) keeps megatron's
             protocol on every replay: the addition is in the graph and the flag is set for the hook.
+        check_held_outputs: debug mode (not TransformerEngine's): a replay that would overwrite outputs the
+            caller still references from an earlier replay into the same buffers raises a RuntimeError
+            instead. It also fires for `y = graphed(x)` in a loop, where the previous `y` is still bound
+            during the call; drop (`del`) or clone outputs you are done with.
 
     Returns:
         Without `_order`: for a module, the module itself with `forward` replaced by a `GraphedCallable`
@@ -166,7 +180,8 @@ def make_graphed_callables(
     for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
         if hook is not None and not callable(hook):
             raise TypeError(f"make_graphed_callables: {name}={hook!r} is not callable")
-    del clone_param_grads_on_return  # gradients are copied into .grad by autograd either way (see above)
+    clone_param_grads = _one_of("_clone_param_grads_on_return", _clone_param_grads_on_return,
+                                "clone_param_grads_on_return", clone_param_grads_on_return, True)
     if order is not None and _order is not None:
         raise ValueError("make_graphed_callables: give `order` or TransformerEngine's `_order`, not both")
     if fp8_calibrating:
@@ -205,7 +220,8 @@ def make_graphed_callables(
             device = torch.device("cuda", torch.cuda.current_device()) if graphs else torch.device("cpu")
             flag = torch.zeros(1, dtype=torch.int32, device=device)
         options = RunOptions(fp8_per_callable[i], fp8_recipe if fp8_per_callable[i] else None, flag,
-                             allow_unused_input, retain_graph_in_backward, generators, accumulate_into_main_grad)
+                             allow_unused_input, retain_graph_in_backward, generators, accumulate_into_main_grad,
+                             bool(clone_param_grads), check_held_outputs)
         runners = []
         for mb in range(layout.microbatches):
             k = layout.sample_index(i, mb)
@@ -230,7 +246,8 @@ def make_graphed_callables(
             post_warmup_hook()
         if graphs:
             watch.refuse_capture_if_forked()
-            _capture(entries, layout, pool if pool is not None else torch.cuda.graph_pool_handle())
+            _capture(entries, layout, pool if pool is not None else torch.cuda.graph_pool_handle(),
+                     _reuse_graph_input_output_buffers)
     finally:
         _restore_fp8_state(metas, saved)
         if rng is not None:
@@ -308,27 +325,34 @@ def _warm_up(entries: list, iters: int, graphs: bool) -> Dict[int, List[torch.Te
     return cached
 
 
-def _capture(entries: list, layout: Layout, pool) -> None:
-    """Forward and backward graphs in the layout's order, all into `pool`, with shared static buffers."""
-    slot_of, _ = _lifetime_slots(layout.order, layout.microbatches)
+def _capture(entries: list, layout: Layout, pool, reuse: bool) -> None:
+    """Forward and backward graphs in the layout's order, all into `pool`, with the static buffers of
+    `buffer_plan` (inputs, outputs and input gradients per slot; parameter gradients per callable)."""
+    slot_of = buffer_plan(layout.order, layout.microbatches, reuse)
     slot_buffers: Dict[Tuple[int, int], _SlotBuffers] = {}
-    grad_buffers: Dict[int, _GradBuffers] = {}
+    grad_buffers: Dict[Tuple[int, int], _GradBuffers] = {}
     for i, e in enumerate(entries):
         outs = e.pop("warm_outputs")
         grads = e.pop("warm_grads")
         # no gradient buffer where the backward graph adds into `main_grad`, or the module does
         for k in set(main_grad_positions(e["runners"][0])) | e.pop("added_by_module"):
             grads[k] = None
-        grad_buffers[i] = _GradBuffers(
-            [torch.empty_like(o) if o.requires_grad else None for o in outs],
-            [torch.empty_like(g) if g is not None else None for g in grads])
+        num_inputs = len(e["runners"][0].requires_grad)
+        grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outs]  # copied in per replay
+        param_grads = [torch.empty_like(g) if g is not None else None for g in grads[num_inputs:]]
+        shared_input_grads = [torch.empty_like(g) if g is not None else None for g in grads[:num_inputs]]
         chunk = layout.chunk_of(i)
         for (c, mb), slot in slot_of.items():
             if c == chunk and (i, slot) not in slot_buffers:
                 runner = e["runners"][mb]
+                name = f"graphed callable {i} ({type(e['func']).__name__}), microbatch {mb}"
                 slot_buffers[(i, slot)] = _SlotBuffers(
                     [x.detach().clone().requires_grad_(rg) for x, rg in zip(runner.sample, runner.requires_grad)],
-                    [torch.empty_like(o) for o in outs])
+                    [torch.empty_like(o) for o in outs], HeldOutputs(name))
+                # sharing mode: a backward's input gradients are consumed before the callable's next backward
+                input_grads = shared_input_grads if reuse else [
+                    torch.empty_like(g) if g is not None else None for g in grads[:num_inputs]]
+                grad_buffers[(i, slot)] = _GradBuffers(grad_outputs, input_grads + param_grads)
     torch.cuda.synchronize()
     fwd_next: Dict[int, int] = {}
     bwd_next: Dict[int, int] = {}
@@ -349,7 +373,7 @@ def _capture(entries: list, layout: Layout, pool) -> None:
             mb = bwd_next.get(chunk, 0)
             bwd_next[chunk] = mb + 1
             for i in reversed(ids):
-                entries[i]["runners"][mb].capture_backward(grad_buffers[i], pool)
+                entries[i]["runners"][mb].capture_backward(grad_buffers[(i, slot_of[(chunk, mb)])], pool)
     torch.cuda.synchronize()
 
 

@@ -129,6 +129,8 @@ class GraphedCallable:
         flight = _Flight()
         flight.runner, flight.num_inputs, flight.pairs = runner, len(inputs), []
         outputs = _Replay.apply(flight, *inputs, *self.params)
+        if runner.options.check_held_outputs and hasattr(runner, "held"):
+            runner.held.remember(outputs)
         _, recorder, _ = flight.state
         flight.pairs = _register_forward(recorder)
         self.replay_count += 1

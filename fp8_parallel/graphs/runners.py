@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..modules._main_grad import placeholder_grad
 from ..recipe import Recipe
@@ -27,6 +29,8 @@ class RunOptions:
     retain_graph: bool = False  # keep the autograd graph after the backward (TE's retain_graph_in_backward)
     generators: Tuple[torch.Generator, ...] = ()  # RNG states the graphs register besides torch's default one
     accumulate_into_main_grad: bool = False  # megatron DDP's parameters: gradients added into main_grad in-graph
+    clone_param_grads: bool = True  # a replay returns copies of its parameter gradients (TE's default)
+    check_held_outputs: bool = False  # debug: refuse a replay into outputs the caller still holds
 
 
 LEGACY_STREAM_HINT = (
@@ -109,6 +113,24 @@ def _capturing(graph: "torch.cuda.CUDAGraph", pool, generators: Tuple[torch.Gene
         raise
 
 
+@contextlib.contextmanager
+def _tensor_hooks_held_back(params: Tuple[torch.nn.Parameter, ...]) -> Iterator[None]:
+    """Gradient hooks on `params` (`param.register_hook`) do not run inside: `torch.autograd.grad` runs a leaf's
+    hooks, and the gradient it computes here reaches the parameter again when autograd accumulates what the
+    callable returns. So a parameter's hooks run once per call, on the returned gradient, as with replays."""
+    held = []
+    for p in params:
+        hooks = getattr(p, "_backward_hooks", None)
+        if hooks:
+            held.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)
+
+
 class _Runner:
     """Forward and backward of one callable for one microbatch (the common part of graph and eager)."""
 
@@ -128,9 +150,10 @@ class _Runner:
     def _grads(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], grad_outputs: List[Optional[torch.Tensor]]):
         outs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
         wrt = [i for i, rg in zip(inputs, self.requires_grad) if rg] + list(self.params)
-        grads = torch.autograd.grad([o for o, _ in outs], wrt, [g for _, g in outs], only_inputs=True,
-                                    retain_graph=self.options.retain_graph or None,
-                                    allow_unused=self.options.allow_unused_input) if outs and wrt else [None] * len(wrt)
+        with _tensor_hooks_held_back(self.params):
+            grads = torch.autograd.grad([o for o, _ in outs], wrt, [g for _, g in outs], only_inputs=True,
+                                        retain_graph=self.options.retain_graph or None,
+                                        allow_unused=self.options.allow_unused_input) if outs and wrt else [None] * len(wrt)
         it = iter(grads)
         by_input = [next(it) if rg else None for rg in self.requires_grad]
         return by_input + [next(it) for _ in self.params]
@@ -164,11 +187,13 @@ class _EagerRunner(_Runner):
 class _GraphRunner(_Runner):
     """Captured forward and backward CUDA graphs of one microbatch.
 
-    Static buffers are shared so that graphs per microbatch do not multiply memory: inputs and outputs per
-    lifetime slot (microbatches of a callable that are never in flight together share one), gradient
-    buffers per callable (a backward's gradients are consumed before the callable's next backward). The
-    graphs copy their results into them; temporaries stay in the shared pool, where later captures reuse
-    them.
+    The graphs copy their results into static buffers (`buffer_plan` says which microbatches share them);
+    temporaries stay in the shared pool, where later captures reuse them. By default every microbatch has
+    its own inputs, outputs and input gradients, so what a caller holds from one microbatch is not
+    overwritten by another's replay (the same microbatch's next replay, one step later, writes it again), and
+    the parameter gradients a backward returns are copies (`RunOptions.clone_param_grads`). Each replay bumps
+    the version counter of the buffers it writes, so an autograd graph that saved an earlier value of one
+    raises in its backward instead of silently using the new value.
 
     Parameters under megatron's DistributedDataParallel protocol (`follows_main_grad_protocol`) have no
     gradient buffer: the backward graph adds their gradient into the `main_grad` it captured, the addition
@@ -192,6 +217,7 @@ class _GraphRunner(_Runner):
                     buf.copy_(o.detach())
         self._outputs_with_graph = flat
         self.out_structure = (spec, leaves, positions)
+        self.held = static.held
 
     def capture_backward(self, shared: "_GradBuffers", pool) -> None:
         outs = self._outputs_with_graph
@@ -256,10 +282,13 @@ class _GraphRunner(_Runner):
             self.__dict__.pop(name, None)
 
     def forward(self, inputs: List[torch.Tensor]):
+        if self.options.check_held_outputs:
+            self.held.check(self.static_outputs)
         for dst, src in zip(self.static_inputs, inputs):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         self.fwd_graph.replay()
+        _bump_versions(self.static_outputs)
         return self.static_outputs, self.out_structure, self.recorder, None
 
     def backward(self, state, grad_outputs):
@@ -268,7 +297,7 @@ class _GraphRunner(_Runner):
                 dst.copy_(src) if src is not None else dst.zero_()
         if not self.main_grads:
             self.bwd_graph.replay()
-            return self.static_grads  # the held tensors themselves: autograd copies them instead of stealing
+            return self._returned_grads(list(self.static_grads))
         for k, (param, _) in self.main_grads.items():
             if buffer_address(getattr(param, "main_grad", None)) != self.main_grad_addresses[k]:
                 raise RuntimeError(
@@ -277,7 +306,7 @@ class _GraphRunner(_Runner):
                     f"megatron's gradient buffers in place (its `zero_grad_buffer()` does; offloaded buffers "
                     f"come back elsewhere), or capture again")
         self.bwd_graph.replay()
-        grads = list(self.static_grads)
+        grads = self._returned_grads(list(self.static_grads))
         first_in_backward = []
         for k, (param, _) in self.main_grads.items():
             if _FLAG_BEFORE not in param.__dict__:  # another replay of this backward may have set it already
@@ -290,17 +319,70 @@ class _GraphRunner(_Runner):
             torch.autograd.Variable._execution_engine.queue_callback(_restore_flags(first_in_backward))
         return grads
 
+    def _returned_grads(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """What the backward hands autograd: the static gradient buffers (autograd copies them into `.grad`
+        rather than stealing them, since they are held here), with the parameters' cloned unless
+        `clone_param_grads` is off, so a hook that keeps a parameter's gradient keeps its own tensor. Buffers
+        get a version bump: an autograd graph that saved an earlier value raises instead of reading this one."""
+        _bump_versions(grads)
+        if self.options.clone_param_grads:
+            for k in range(len(self.requires_grad), len(grads)):
+                if grads[k] is not None:
+                    grads[k] = grads[k].clone()
+        return grads
+
+
+def _bump_versions(tensors: List[Optional[torch.Tensor]]) -> None:
+    """Mark buffers a graph replay has written (a replay writes memory without autograd seeing it)."""
+    for t in tensors:
+        if t is not None:
+            increment_version(t)
+
+
+class HeldOutputs:
+    """The outputs a replay handed to its caller, as weak references: `check` refuses a replay into buffers
+    whose earlier outputs the caller still holds (`make_graphed_callables(check_held_outputs=True)`)."""
+
+    def __init__(self, name: str = "graphed callable"):
+        self.name = name
+        self._refs: List[weakref.ref] = []
+
+    def remember(self, outputs) -> None:
+        self._refs = [weakref.ref(o) for o in outputs if isinstance(o, torch.Tensor)]
+
+    def check(self, buffers: List[torch.Tensor]) -> None:
+        """Raise if a tensor handed out earlier is alive and still reads one of `buffers`' memory."""
+        addresses = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
+        for k, ref in enumerate(self._refs):
+            held = ref()
+            if held is not None and held.numel() and held.untyped_storage().data_ptr() in addresses:
+                raise RuntimeError(
+                    f"{self.name}: this replay would overwrite output {k} (shape {tuple(held.shape)}) of an "
+                    f"earlier replay that is still referenced. Drop it first (`del`), copy it (`.clone()`) if "
+                    f"you keep it, or capture without `_reuse_graph_input_output_buffers` so that microbatches "
+                    f"do not share outputs")
+
 
 @dataclasses.dataclass
 class _SlotBuffers:
     inputs: List[torch.Tensor]
     outputs: List[torch.Tensor]
+    held: HeldOutputs = dataclasses.field(default_factory=HeldOutputs)
 
 
 @dataclasses.dataclass
 class _GradBuffers:
     grad_outputs: List[Optional[torch.Tensor]]
     grads: List[Optional[torch.Tensor]]
+
+
+def buffer_plan(order: List[int], microbatches: int, reuse: bool) -> Dict[Tuple[int, int], int]:
+    """The static-buffer slot of each (chunk, microbatch): its own (slot = microbatch) by default, or with
+    `reuse` (TransformerEngine's `_reuse_graph_input_output_buffers`) the lifetime slots of `_lifetime_slots`,
+    shared by microbatches that are never in flight together."""
+    if reuse:
+        return _lifetime_slots(order, microbatches)[0]
+    return {(abs(step) - 1, mb): mb for step in order if step > 0 for mb in range(microbatches)}
 
 
 def _lifetime_slots(order: List[int], microbatches: int) -> Tuple[Dict[Tuple[int, int], int], Dict[int, int]]:

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .group_state import PerGroup
 from .meta import FP8Meta
 from .recipe import DelayedScaling
 from .scaling import update_history_and_scale
@@ -55,11 +56,11 @@ class _LayoutInfo:
 _LAYOUTS: Dict[tuple, _LayoutInfo] = {}
 _LAYOUTS_MAX = 256
 
-# The last layout (fingerprint, slot count) that all ranks of a group were seen to agree on, per scope key
-# and direction. Every rank holds the same entry (each entry is set only after a successful cross-rank
+# The last layout (fingerprint, slot count) that all ranks of a group were seen to agree on, per group,
+# recipe and direction. Every rank holds the same entry (each entry is set only after a successful cross-rank
 # check), which is what lets a rank with a new layout size its check collective like the reduction of a
-# rank without one. A cache for safety checks; it holds no training state.
-_AGREED_LAYOUTS: Dict[tuple, Tuple[int, int]] = {}
+# rank without one. A cache for safety checks; it holds no training state, and it lives with the group.
+_AGREED_LAYOUTS: PerGroup[Tuple[int, int]] = PerGroup()
 
 
 class AmaxLayoutMismatch(RuntimeError):
@@ -223,7 +224,7 @@ class AmaxTable:
         on_cpu = self.device.type == "cpu"
         layout = self._layout()
         if reduces:
-            self._check_layout_if_new(group, (recipe, id(group), self.direction), layout.fingerprint, scope,
+            self._check_layout_if_new(group, (recipe, self.direction), layout.fingerprint, scope,
                                       backward_follows)
             buf[:HEADER].copy_(layout.header(backward_follows))
             if on_cpu:  # the one collective of this table (gloo: bounded wait, never a hang)
@@ -284,7 +285,7 @@ class AmaxTable:
 
     def _check_layout_if_new(self, group: dist.ProcessGroup, cache_key: tuple, fp: int, scope: str,
                              backward_follows: bool) -> None:
-        agreed = _AGREED_LAYOUTS.get(cache_key)
+        agreed = _AGREED_LAYOUTS.get(group, cache_key)
         if agreed == (fp, self._used):
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -297,7 +298,7 @@ class AmaxTable:
         probe[:HEADER] = torch.tensor([fp, -fp, code, -code], dtype=torch.float32)
         self._all_reduce_checked(probe, group, scope, "layout check")
         self._check_header(probe[:HEADER], scope, backward_follows)
-        _AGREED_LAYOUTS[cache_key] = (fp, self._used)
+        _AGREED_LAYOUTS.set(group, cache_key, (fp, self._used))
 
     def _all_reduce_checked(self, buf: torch.Tensor, group: dist.ProcessGroup, scope: str, what: str) -> None:
         """all-reduce(MAX) that fails with a clear error instead of hanging when ranks disagree."""

@@ -28,6 +28,7 @@ import torch
 from .tensor import Float8Tensor
 
 ALIGN = 16
+SINV_STRIDE = 4  # float32 elements between two blocks' scale_inv in a block-scaled buffer (16 bytes apart)
 _PADDED = "_fp8_padded_storage"  # attribute of a `zero_padded` view: its whole zero-padded buffer
 
 

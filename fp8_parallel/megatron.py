@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -30,12 +29,11 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from .recipe import CurrentScaling, DelayedScaling, Format, Recipe
-from .scopes import autocast
-from .expert_scope import expert_amax_group as _expert_group, expert_scope, experts_reduce_over_dense_dp  # noqa: F401
+from .expert_scope import expert_scope, experts_reduce_over_dense_dp  # noqa: F401
 from .modules import ColumnParallelLinear, LayerNormColumnParallelLinear, RowParallelLinear
 from .modules.norm import Norm
 from .megatron_block import FP8BlockSubmodules, FP8TransformerBlock
+from .megatron_config import fp8_context, is_bf16_layer, recipe_from_config
 
 __all__ = [
     "FP8SequentialMLP",
@@ -49,60 +47,6 @@ __all__ = [
     "is_bf16_layer",
     "recipe_from_config",
 ]
-
-_FORMATS = {"e4m3": Format.E4M3, "hybrid": Format.HYBRID}
-
-
-def recipe_from_config(config) -> Optional[Recipe]:
-    """The recipe that megatron's FP8 fields describe, or None when `config.fp8` is off.
-
-    Raises:
-        ValueError: an `fp8` format or `fp8_recipe` this package does not implement.
-    """
-    if not getattr(config, "fp8", None):
-        return None
-    fmt = _FORMATS.get(str(config.fp8).lower())
-    if fmt is None:
-        raise ValueError(f"config.fp8={config.fp8!r}: expected one of {sorted(_FORMATS)}")
-    kind = str(getattr(config, "fp8_recipe", "delayed")).lower().split(".")[-1]
-    if kind == "delayed":
-        return DelayedScaling(
-            margin=config.fp8_margin, fp8_format=fmt, amax_history_len=config.fp8_amax_history_len,
-            amax_compute_algo=config.fp8_amax_compute_algo,
-        )
-    if kind == "tensorwise":
-        return CurrentScaling(fp8_format=fmt)
-    raise ValueError(f"config.fp8_recipe={config.fp8_recipe!r}: supported are 'delayed' and 'tensorwise'")
-
-
-def _dense_group(config) -> Optional[dist.ProcessGroup]:
-    import parallel_state
-    from megatron.core import parallel_state as mpu
-
-    tp_only = bool(getattr(config, "tp_only_amax_red", False))
-    if parallel_state.is_initialized():
-        return parallel_state.dense_amax_group(tp_only=tp_only)
-    if mpu.model_parallel_is_initialized():
-        return mpu.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=tp_only)
-    return None
-
-
-def is_bf16_layer(config, layer_no: int) -> bool:
-    """Whether global layer `layer_no` (0-based) stays in high precision under `first_last_layers_bf16`."""
-    if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
-        return False
-    start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
-    return layer_no < start or layer_no >= config.num_layers - end
-
-
-def fp8_context(config, layer_no: int = -1, is_expert: bool = False) -> autocast:
-    """The autocast scope for a block (`layer_no=-1`), one layer, or MoE experts, from `config`.
-    (Experts inside an enabled scope use `expert_scope()`, which follows that scope's recipe.)"""
-    recipe = recipe_from_config(config)
-    if recipe is None or is_bf16_layer(config, layer_no):
-        return autocast(enabled=False)
-    return autocast(recipe=recipe, group=_expert_group() if is_expert else _dense_group(config))
-
 
 class FP8TransformerLayer(TransformerLayer):
     """megatron's TransformerLayer, run inside its FP8 scope (or in high precision for bf16 layers).

@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
 from .expert_scope import ensure_megatron_expert_domain
+from .megatron_config import fp8_context, recipe_from_config
 from .modules.norm import Norm
 
 __all__ = ["FP8BlockSubmodules", "FP8TransformerBlock", "adopt_block", "block_under_construction", "prepare_block"]
@@ -32,8 +33,6 @@ class FP8TransformerBlock(TransformerBlock):
     """
 
     def forward(self, *args, **kwargs):
-        from .megatron import fp8_context, recipe_from_config
-
         if recipe_from_config(self.config) is None:
             return super().forward(*args, **kwargs)
         with fp8_context(self.config):  # layer_no=-1: the block scope; bf16 layers still leave it themselves

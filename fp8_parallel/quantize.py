@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import native
-from .gemm import zero_padded
+from .gemm import SINV_STRIDE, zero_padded
 from .tensor import Float8Tensor, cast_to_fp8
 
 _INF = float("inf")
@@ -170,7 +170,6 @@ def quantize_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     return t
 
 
-SINV_STRIDE = 4  # float32 elements between two blocks' scale_inv in `RowBlocks.sinv` (16 bytes)
 
 
 @dataclasses.dataclass

@@ -260,7 +260,7 @@ def quantize_blocks_2d(x2: torch.Tensor, table: torch.Tensor, data: torch.Tensor
     """`_quantize_blocks_kernel` over `x2: [M, N]` (16-bit, last dimension contiguous); `table` as the kernel
     says, on the device, `tiles` the blocks' tiles of `BLOCKS_TILE_M` rows in all; `transposes`: a flat buffer of
     `padded_total * N` elements (zeroed where an empty block's padding is), or None."""
-    from .quantize import SINV_STRIDE
+    from .gemm import SINV_STRIDE
 
     N = x2.shape[1]
     E = table.shape[-1]

@@ -2,11 +2,10 @@
 allowed (every rank of the group holds the same delayed scales)."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 import torch
 import torch.distributed as dist
 
+from ..group_state import PerGroup
 from ..tensor import Float8Tensor
 
 
@@ -25,7 +24,7 @@ def reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-_SCALES_SHARED: Dict[Tuple[int, int], bool] = {}  # (scope group, SP group) -> SP ranks within the amax domain
+_SCALES_SHARED: PerGroup[PerGroup[bool]] = PerGroup()  # scope group -> SP group -> SP ranks within its domain
 
 
 def scales_shared_over(scope_group, sp_group) -> bool:
@@ -33,8 +32,6 @@ def scales_shared_over(scope_group, sp_group) -> bool:
     scales, and shards cast separately gather into one correctly scaled FP8 tensor)."""
     if scope_group is None:
         return False
-    key = (id(scope_group), id(sp_group))
-    if key not in _SCALES_SHARED:
-        domain = set(dist.get_process_group_ranks(scope_group))
-        _SCALES_SHARED[key] = set(dist.get_process_group_ranks(sp_group)) <= domain
-    return _SCALES_SHARED[key]
+    by_sp_group = _SCALES_SHARED.get_or_compute(scope_group, None, PerGroup)
+    return by_sp_group.get_or_compute(sp_group, None, lambda: set(dist.get_process_group_ranks(sp_group)) <= set(
+        dist.get_process_group_ranks(scope_group)))

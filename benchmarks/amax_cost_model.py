@@ -205,4 +205,7 @@ def table(latency: Optional[LatencyModel] = None, tflops_per_gpu: float = 400.0)
 
 
 if __name__ == "__main__":
+    from common import cli
+
+    cli(__doc__, results=False)
     print(table())

@@ -1,12 +1,11 @@
 """Reduce-and-update of N FP8 tensors: one batched update (eager and graph-captured) vs a per-module loop."""
 from __future__ import annotations
 
-import sys
 
 import torch
 
 import fp8_parallel as fp
-from common import bench_ms, dump, graph_ms, record
+from common import cli, bench_ms, dump, graph_ms, record
 from fp8_parallel.amax_table import AmaxTable
 from fp8_parallel.meta import FP8Meta
 
@@ -42,4 +41,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl")
+    main(cli(__doc__).results)

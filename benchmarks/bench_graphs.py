@@ -14,7 +14,7 @@ import time
 import torch
 
 import fp8_parallel as fp
-from common import bench_ms, dump, record, run_on_two_gpus, slowest_rank_ms
+from common import cli, bench_ms, dump, record, run_on_two_gpus, slowest_rank_ms
 
 HIDDEN, LAYERS, SEQ, MBS, M = 1024, 8, 512, 1, 8
 RECIPE = fp.DelayedScaling(amax_history_len=16)
@@ -123,7 +123,7 @@ def bench_pp2(out: str) -> None:
     def loss_func(out):
         loss = out.float().mean()
         # a copy: megatron's schedule divides the returned loss in place by the number of microbatches
-    return loss, {"loss": loss.detach().clone()}
+        return loss, {"loss": loss.detach().clone()}
 
     def forward_step(it, chunk):
         t = next(it)
@@ -158,8 +158,9 @@ def bench_pp2(out: str) -> None:
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl"
-    if "--pp2" in sys.argv:
+    args = cli(__doc__, "--pp2: run as one rank of the two-GPU pipeline part (started by the script itself)")
+    out = args.results
+    if args.pp2:
         bench_pp2(out)
         sys.exit(0)
     bench_single_gpu()

@@ -4,13 +4,12 @@ against the per-expert FP8 GEMMs and BF16 (per-expert and torch's grouped GEMM);
 tiny FP8 Linear."""
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
 import fp8_parallel as fp
-from common import bench_ms, dump, record
+from common import cli, bench_ms, dump, record
 
 
 class _BF16MLP(torch.nn.Module):
@@ -234,7 +233,7 @@ def _bare_fp8_launches(x: torch.Tensor, w: torch.Tensor):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl"
+    out = cli(__doc__).results
     bench_host_overhead()
     bench_mlp(4096, 14336, 16384)
     bench_mlp(8192, 28672, 8192)

@@ -1,11 +1,10 @@
 """Fused quantize (+amax, +transpose) vs copy bandwidth and eager torch; FP8 GEMM wrapper vs raw _scaled_mm."""
 from __future__ import annotations
 
-import sys
 
 import torch
 
-from common import bench_ms, copy_bandwidth_gbs, dump, graph_ms, record
+from common import cli, bench_ms, copy_bandwidth_gbs, dump, graph_ms, record
 from fp8_parallel.gemm import fp8_gemm
 from fp8_parallel.quantize import quantize, quantize_row_blocks
 
@@ -104,8 +103,9 @@ def bench_gemm() -> None:
 
 
 if __name__ == "__main__":
+    out = cli(__doc__).results
     bench_quantize()
     bench_native_cast()
     bench_row_blocks()
     bench_gemm()
-    dump(sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl")
+    dump(out)

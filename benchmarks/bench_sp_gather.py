@@ -5,12 +5,11 @@ bf16 all-gather, forward + backward, delayed scaling.
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 
 import fp8_parallel as fp
-from common import bench_ms, dump, record, run_on_two_gpus, slowest_rank_ms
+from common import cli, bench_ms, dump, record, run_on_two_gpus, slowest_rank_ms
 
 SEQ, BATCH, HIDDEN, FFN = 8192, 1, 8192, 28672
 
@@ -51,8 +50,9 @@ def run(out: str) -> None:
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "bench_results.jsonl"
-    if "--worker" in sys.argv:
+    args = cli(__doc__, "--worker: run as one rank of the two-GPU part (started by the script itself)")
+    out = args.results
+    if args.worker:
         run(out)
     elif not run_on_two_gpus(__file__, out, "--worker", timeout=300):
         print("bench_sp_gather: needs 2 GPUs; skipped")

@@ -1,6 +1,7 @@
 """Shared helpers for GPU benchmarks: timing with CUDA events, bandwidth ceiling, result rows."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Callable, Dict, List
@@ -8,6 +9,19 @@ from typing import Callable, Dict, List
 import torch
 
 RESULTS: List[Dict] = []
+
+
+def cli(doc: str, *flags: str, results: bool = True) -> argparse.Namespace:
+    """A benchmark's command line: `--help` prints `doc` (its module docstring); `results` adds the optional
+    positional JSONL path results are appended to; each `flags` entry ("--name: help") is a boolean switch."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if results:
+        parser.add_argument("results", nargs="?", default="bench_results.jsonl",
+                            help="JSONL file the result rows are appended to (default: %(default)s)")
+    for flag in flags:
+        name, _, text = flag.partition(":")
+        parser.add_argument(name, action="store_true", help=text.strip())
+    return parser.parse_args()
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 50, inner: int = 1) -> float:

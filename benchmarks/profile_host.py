@@ -9,7 +9,6 @@ forward+backward against BF16's, and (3) a cProfile table of the FP8 step by own
 """
 import cProfile
 import pstats
-import sys
 import time
 from typing import Tuple
 
@@ -292,9 +291,17 @@ def chain_profile(rows: int = 30, tokens: int = 4096, width: int = 2048) -> None
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "chain-profile":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="40",
+                        help="'chain-profile', 'native-parts', or the number of profile rows to print (default 40)")
+    mode = parser.parse_args().mode
+    if mode == "chain-profile":
         chain_profile()
-    elif len(sys.argv) > 1 and sys.argv[1] == "native-parts":
+    elif mode == "native-parts":
         native_parts()
+    elif mode.isdigit():
+        main(int(mode))
     else:
-        main(int(sys.argv[1]) if len(sys.argv) > 1 else 40)
+        parser.error(f"mode {mode!r}: expected 'chain-profile', 'native-parts' or a number of rows")

@@ -326,7 +326,7 @@ Float8CurrentScaling = CurrentScaling
 """TransformerEngine's name for `CurrentScaling`."""
 
 
-def _immutable(self: Recipe, name: str, value: Any) -> None:
+def _immutable(self: Recipe, name: str, value: Any) -> None:  # noqa: ARG001
     raise dataclasses.FrozenInstanceError(
         f"cannot assign to field {name!r}: fp8_parallel recipes are immutable (they key the autocast scopes); "
         f"make a changed copy with dataclasses.replace(recipe, {name}=...)"

@@ -151,7 +151,7 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
                 "checkpointed input is kept whole on every rank. Use distribute_saved_activations=False (the "
                 "results are the same; only the memory the saved input takes differs).")
         warnings.warn("checkpoint: distribute_saved_activations=True has no effect with use_reentrant=False "
-                      "(the non-reentrant checkpoint keeps no input of its own to distribute)")
+                      "(the non-reentrant checkpoint keeps no input of its own to distribute)", stacklevel=2)
     if debug and use_reentrant:
         raise ValueError("checkpoint(debug=True) needs use_reentrant=False (torch's rule)")
 

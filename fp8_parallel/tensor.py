@@ -216,7 +216,7 @@ def _inplace_via_high_precision(func, args, kwargs):
     return target
 
 
-def _detach(func, args, kwargs):
+def _detach(func, args, kwargs):  # noqa: ARG001
     t: Float8Tensor = args[0]
     # the same inner data object (it never requires grad), so both aliases share one version counter
     return Float8Tensor(t._data, t._scale_inv, t.dtype, transpose_cache=t._transpose_cache)
@@ -244,7 +244,7 @@ def _to_copy(func, args, kwargs):
     return Float8Tensor(data, t._scale_inv.to(device), t.dtype)
 
 
-def _copy_(func, args, kwargs):
+def _copy_(func, args, kwargs):  # noqa: ARG001
     dst, src = args[0], args[1]
     if isinstance(dst, Float8Tensor):
         if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype:
@@ -267,6 +267,6 @@ _HANDLERS = {
     aten.clone.default: _clone,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
-    aten.is_same_size.default: lambda f, a, k: a[0].shape == a[1].shape,
+    aten.is_same_size.default: lambda f, a, k: a[0].shape == a[1].shape,  # noqa: ARG005
 }
 _LIKE_FACTORIES = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default}

@@ -204,7 +204,7 @@ def save_checkpoint(
     dist.barrier()
 
 
-def load_checkpoint(
+def load_checkpoint(  # noqa: C901
     load_dir: str,
     model: List[torch.nn.Module],
     optimizer: Any,

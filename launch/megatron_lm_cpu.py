@@ -81,7 +81,7 @@ def _build_step_patches() -> List[Tuple[object, str, object]]:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.legacy import fused_kernels
 
-    patches: List[Tuple[object, str, object]] = [(fused_kernels, "load", lambda args: None)]
+    patches: List[Tuple[object, str, object]] = [(fused_kernels, "load", lambda args: None)]  # noqa: ARG005
     if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
         patches.append((dataset_utils, "compile_helpers", lambda: None))
     return patches
@@ -124,7 +124,7 @@ def _megatron_lm_on_cpu(on_cpu: bool) -> Iterator[None]:
         (arguments, "get_device_arch_version", lambda: 0),
         (training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True)),
         (torch.cuda, "device_count", lambda: 1),
-        (torch.cuda, "set_device", lambda device: None),
+        (torch.cuda, "set_device", lambda device: None),  # noqa: ARG005
     ]
     with _patched(patches):
         yield

@@ -80,7 +80,7 @@ class _NullStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_NullEvent":
+    def record_event(self, event: Any = None) -> "_NullEvent":  # noqa: ARG002
         return _NullEvent()
 
     def synchronize(self) -> None:
@@ -119,7 +119,7 @@ def _cpu_manual_seed(seed: int) -> None:
 _MISSING = object()
 
 
-def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:  # noqa: ARG001
     """megatron's `maybe_move_tensor_to_cpu` for tensors that are on the CPU already."""
     if as_numpy and torch.is_tensor(tensor):
         return tensor.numpy()

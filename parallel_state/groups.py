@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .layout import ParallelLayoutError, ParallelSizes
+from .layout import ParallelSizes
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 

@@ -108,7 +108,7 @@ def _losses(log_json: Path) -> Dict[int, float]:
     return {r["iteration"]: r["loss"] for r in _rows(log_json)}
 
 
-def _tensors(ckpt: Path) -> Dict[str, "torch.Tensor"]:
+def _tensors(ckpt: Path) -> Dict[str, object]:
     """Every tensor of a checkpoint (model with FP8 state, optimizer, RNG), flattened by key. Reading our own
     test's files: torch.load without weights_only is fine here."""
     import torch

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fp8_parallel as fp
 from differential_common import HP_TOL, assert_within, fails_within, weight_scale_inv_off
 from test_differential import RECIPES, _linear, _make_input, _reference, _seed, _step
 

@@ -1,6 +1,7 @@
 """FP8 numerics against float64 references, on fresh random inputs (CPU; GPU variants are marked gpu)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -41,7 +42,7 @@ def test_recipes_frozen_hashable_and_compared_on_every_field():
     b = DelayedScaling(amax_compute_algo="most_recent")
     assert a != b and hash(a) != hash(b) and len({a, b, DelayedScaling()}) == 2
     assert a == DelayedScaling() and hash(a) == hash(DelayedScaling())
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         a.margin = 3
     assert "amax_compute_algo='most_recent'" in repr(b) and "HYBRID" in repr(b)
     assert CurrentScaling() == CurrentScaling() and CurrentScaling() != DelayedScaling()

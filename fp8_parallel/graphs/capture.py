@@ -61,7 +61,7 @@ def _check_module(i: int, module: torch.nn.Module) -> None:
                              f"with requires_grad=True; only parameters can be trained through graphs")
 
 
-def make_graphed_callables(
+def make_graphed_callables(  # noqa: C901
     modules: Union[Callable, Sequence[Callable]],
     sample_args: Union[tuple, Sequence[tuple]],
     *,

@@ -291,7 +291,7 @@ class _GraphRunner(_Runner):
         _bump_versions(self.static_outputs)
         return self.static_outputs, self.out_structure, self.recorder, None
 
-    def backward(self, state, grad_outputs):
+    def backward(self, state, grad_outputs):  # noqa: ARG002
         for dst, src in zip(self.static_grad_outputs, grad_outputs):
             if dst is not None:
                 dst.copy_(src) if src is not None else dst.zero_()
@@ -385,7 +385,7 @@ def buffer_plan(order: List[int], microbatches: int, reuse: bool) -> Dict[Tuple[
     return {(abs(step) - 1, mb): mb for step in order if step > 0 for mb in range(microbatches)}
 
 
-def _lifetime_slots(order: List[int], microbatches: int) -> Tuple[Dict[Tuple[int, int], int], Dict[int, int]]:
+def _lifetime_slots(order: List[int], microbatches: int) -> Tuple[Dict[Tuple[int, int], int], Dict[int, int]]:  # noqa: ARG001
     """Per (chunk, microbatch) a buffer slot such that microbatches in flight together (forward run, backward
     not yet) have different slots; and the number of slots per chunk."""
     slot_of: Dict[Tuple[int, int], int] = {}

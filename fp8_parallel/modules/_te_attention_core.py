@@ -44,14 +44,14 @@ def checked_window(mask_type: str, window: Optional[Tuple[int, int]]) -> Tuple[i
             return window
         if window == UNBOUNDED or window[0] >= 0:
             warnings.warn(f"DotProductAttention: window_size should be (-1, 0) or (>=0, 0) for "
-                          f"attn_mask_type={mask_type}; using ({window[0]}, 0)")
+                          f"attn_mask_type={mask_type}; using ({window[0]}, 0)", stacklevel=3)
             return window[0], 0
     else:
         if window == UNBOUNDED or (window[0] >= 0 and window[1] >= 0):
             return window
         if window == (-1, 0):
             warnings.warn(f"DotProductAttention: window_size should be (-1, -1) or (>=0, >=0) for "
-                          f"attn_mask_type={mask_type}; using (-1, -1) (causality comes from the mask type)")
+                          f"attn_mask_type={mask_type}; using (-1, -1) (causality comes from the mask type)", stacklevel=3)
             return UNBOUNDED
     raise ValueError(f"DotProductAttention: window_size={window} is invalid for attn_mask_type={mask_type}")
 

@@ -148,11 +148,11 @@ class _CopyToGroup(torch.autograd.Function):
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):  # noqa: ARG004
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # noqa: ARG004
         return grad, None
 
 

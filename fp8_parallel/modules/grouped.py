@@ -66,11 +66,11 @@ class GroupedLinear(torch.nn.Module):
             if config.perform_initialization:
                 with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                     init_method(w)
-            setattr(w, "allreduce", dense)  # see experts_reduce_over_dense_dp
+            w.allreduce = dense  # see experts_reduce_over_dense_dp
             self.register_parameter(f"weight{i}", w)
             b = torch.nn.Parameter(torch.zeros(out_p, dtype=config.params_dtype, device=device)) if bias else None
             if b is not None:
-                setattr(b, "allreduce", dense)
+                b.allreduce = dense
             self.register_parameter(f"bias{i}", b)
         # one FP8 state per expert GEMM; tags name the local index, identical on the expert's DP replicas
         self.fp8 = expert_states(num_gemms, f"GroupedLinear[{{i}}]({input_size},{output_size})", device,
@@ -104,7 +104,7 @@ class GroupedLinear(torch.nn.Module):
 class FP8GroupedMLP(MegatronModule):
     """MoE experts as two `GroupedLinear`s (megatron's experts interface), inside the expert amax scope."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):  # noqa: ARG002
         super().__init__(config=config)
         self.num_local_experts = num_local_experts
         etp = pg_collection.expt_tp.size() if pg_collection is not None else 1

@@ -37,7 +37,7 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         )
         for p in (self.layer_norm_weight, self.layer_norm_bias):
             if p is not None:
-                setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+                p.sequence_parallel = bool(config.sequence_parallel)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight

@@ -24,7 +24,7 @@ class Norm(torch.nn.Module):
                      if self.kind == "LayerNorm" else None)
         for p in (self.weight, self.bias):
             if p is not None:
-                setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+                p.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return normalize(x, self.kind, self.weight, self.bias, self.eps)

@@ -176,7 +176,7 @@ class DotProductAttention(torch.nn.Module):
         self.cp_stream = cp_stream
         self.cp_comm_type = cp_comm_type
 
-    def forward(
+    def forward(  # noqa: C901
         self,
         query_layer: torch.Tensor,
         key_layer: torch.Tensor,

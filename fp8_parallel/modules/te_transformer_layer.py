@@ -118,11 +118,11 @@ class TransformerLayer(torch.nn.Module):
         zero_centered_gamma: bool = False,
         qkv_weight_interleaved: bool = True,
         ub_tp_comm_overlap: bool = False,
-        ub_overlap_ag: bool = True,
-        ub_overlap_rs: bool = True,
-        ub_overlap_rs_dgrad: bool = False,
-        ub_bulk_dgrad: bool = True,
-        ub_bulk_wgrad: bool = True,
+        ub_overlap_ag: bool = True,  # noqa: ARG002
+        ub_overlap_rs: bool = True,  # noqa: ARG002
+        ub_overlap_rs_dgrad: bool = False,  # noqa: ARG002
+        ub_bulk_dgrad: bool = True,  # noqa: ARG002
+        ub_bulk_wgrad: bool = True,  # noqa: ARG002
         bias: bool = True,
         activation: str = "gelu",
         normalization: str = "LayerNorm",

@@ -162,7 +162,7 @@ def _positive(v: Dict[str, Any], names: List[str]) -> None:
             raise ArgumentError(f"--{name.replace('_', '-')}={v[name]}: must be a positive integer")
 
 
-def validate(v: Dict[str, Any], world_size: int) -> int:
+def validate(v: Dict[str, Any], world_size: int) -> int:  # noqa: C901
     """Check the sizes against each other and the world size; returns the data-parallel size."""
     _positive(v, ["tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                   "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers", "hidden_size",

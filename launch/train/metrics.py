@@ -55,7 +55,7 @@ def fp8_layer_state(model: List[torch.nn.Module]) -> Dict[str, Dict[str, List[fl
     out: Dict[str, Dict[str, List[float]]] = {}
     ep_rank = mpu.get_expert_model_parallel_rank()
     for chunk in model:
-        for name, module in chunk.named_modules():
+        for _name, module in chunk.named_modules():
             number = getattr(module, "layer_number", None)
             if number is None or not hasattr(module, "self_attention"):
                 continue

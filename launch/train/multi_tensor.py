@@ -21,7 +21,7 @@ _BINDINGS = {
 }
 
 
-def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]],
+def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]],  # noqa: ARG001
                     per_tensor: bool, *args) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """apex's `multi_tensor_l2norm` contract: `([1]` float32 norm of all tensors, per-tensor norms or None), on
     the tensors' device, computed without reading anything back to the host."""
@@ -35,7 +35,7 @@ def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequ
     return total, (per if per_tensor else None)
 
 
-def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[List[torch.Tensor]],
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[List[torch.Tensor]],  # noqa: ARG001
                   scale: float) -> None:
     """apex's `multi_tensor_scale` contract: `dst = src * scale` per pair (`tensor_lists = [srcs, dsts]`), in
     place when they are the same tensors; the product in the source's dtype, then cast, as megatron's fallback."""

@@ -499,7 +499,7 @@ def _check_ddp_graphs_with_fused_wgrad_accumulation(dtype: torch.dtype, accumula
                               accumulate_into_main_grad=accumulate)
     flags_seen = {id(m): [] for m in (plain_module, graphed_module)}
     hooks = [m.fused.weight.register_post_accumulate_grad_hook(
-        lambda p, seen=flags_seen[id(m)]: seen.append(bool(p.grad_added_to_main_grad)))
+        lambda p, seen=flags_seen[id(m)]: seen.append(bool(p.grad_added_to_main_grad)))  # noqa: B008 (binds this m's list)
         for m in (plain_module, graphed_module)]
     gen = torch.Generator().manual_seed(test_seed())
     xs = [[torch.randn(32, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(STEPS)]

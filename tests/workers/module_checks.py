@@ -361,7 +361,7 @@ def _dense_block_spec():
     return block_spec
 
 
-def _gpt_checks():
+def _gpt_checks():  # noqa: C901
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -370,7 +370,7 @@ def _gpt_checks():
     from fp8_parallel.megatron import fp8_context, get_gpt_block_spec
     from fp8_parallel.modules import FP8State
 
-    def run(moe: bool, grouped: bool = False):
+    def run(moe: bool, grouped: bool = False):  # noqa: C901
         extra = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
                      moe_ffn_hidden_size=64, add_bias_linear=False) if moe else {}
         with ps.cpu_compat():

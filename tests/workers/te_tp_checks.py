@@ -117,7 +117,7 @@ def _run(module, x, g, rec, steps=3):
     return y, out, xi.grad
 
 
-def _check_case(kind: str, sp: bool, rname: str, late_group: bool):
+def _check_case(kind: str, sp: bool, rname: str, late_group: bool):  # noqa: C901
     build, fn, gated, out_kind = _cases()[kind]
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD

@@ -31,8 +31,22 @@ def test_bad_layout_names_the_sizes():
         cost.Layout("bad", gpus=16, layers=4, tp=4, pp=3)
 
 
-def test_table_renders():
-    assert cost.table().count("\n") == len(cost.LAYOUTS) + 1
+def test_table_is_the_one_docs_scale_md_shows_and_its_cells_are_the_model_s():
+    lines = cost.table().splitlines()
+    assert len(lines) == len(cost.LAYOUTS) + 2 and all(line.count("|") == 13 for line in lines)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scale.md").read_text().splitlines()
+    start = doc.index(lines[0])
+    assert doc[start:start + len(lines)] == lines, "docs/scale.md shows another table: rerun amax_cost_model.py"
+    for lay, line in zip(cost.LAYOUTS, lines[2:]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == lay.name and int(cells[1]) == lay.gpus and int(cells[3]) == lay.dp
+        assert lay.gpus == lay.dp * lay.tp * lay.pp * lay.cp, lay.name
+        assert int(cells[4]) == lay.microbatches == lay.global_batch // (lay.micro_batch * lay.dp)
+        assert int(cells[7]) == cost.collectives_per_step(lay) and int(cells[8]) == cost.per_module_collectives_per_step(lay)
+        # one collective per (scope, direction) per microbatch and model chunk: never more than the loop's
+        assert cost.collectives_per_step(lay) < cost.per_module_collectives_per_step(lay)
+    dense_8b = next(lay for lay in cost.LAYOUTS if lay.name == "8B dense, 1 node")
+    assert (dense_8b.dp, dense_8b.microbatches) == (4, 16) and cost.collectives_per_step(dense_8b) == 16 * 2
 
 
 def test_real_step_issues_the_modelled_collectives():

@@ -290,8 +290,38 @@ def test_modules_refuse_unsupported_options_by_name(make, error, match):
 
 
 def test_options_te_ignores_at_tp1_are_accepted():
-    te.Linear(8, 8, sequence_parallel=True, parallel_mode="column", tp_size=1, ub_name="qkv", device="cpu")
-    te.LayerNormMLP(8, 8, seq_length=128, micro_batch_size=2, set_parallel_mode=True, device="cpu")
+    """Options that change nothing at TP1 (TE ignores them there): the modules built with them compute what
+    plain ones do, outputs and gradients bitwise, in FP8 and without."""
+    seed = 2917
+    print(f"seed {seed}")
+    cases = [
+        (lambda **kw: te.Linear(16, 24, device="cpu", **kw),
+         dict(sequence_parallel=True, parallel_mode="column", tp_size=1, ub_name="qkv"), 16),
+        (lambda **kw: te.LayerNormMLP(16, 32, device="cpu", **kw),
+         dict(seq_length=128, micro_batch_size=2, set_parallel_mode=True), 16),
+    ]
+    for build, options, width in cases:
+        for fp8 in (False, True):
+            torch.manual_seed(seed)
+            plain = build()
+            torch.manual_seed(seed)
+            optioned = build(**options)
+            for a, b in zip(plain.parameters(), optioned.parameters()):
+                assert torch.equal(a, b)
+            gen = torch.Generator().manual_seed(seed + 1)
+            for _ in range(2):  # the second step runs with delayed scales from the first
+                x = torch.randn(6, width, generator=gen)
+                got = []
+                for module in (plain, optioned):
+                    xi = x.clone().requires_grad_()
+                    with te.fp8_autocast(enabled=fp8, fp8_recipe=RECIPES["delayed"]):
+                        y = module(xi)
+                    y.square().sum().backward()
+                    got.append((y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()]))
+                    module.zero_grad()
+                (y0, gx0, gp0), (y1, gx1, gp1) = got
+                assert torch.equal(y0, y1) and torch.equal(gx0, gx1), (type(plain).__name__, options, fp8)
+                assert all(torch.equal(a, b) for a, b in zip(gp0, gp1))
 
 
 def test_forward_refuses_bad_inputs():

@@ -10,6 +10,7 @@ Usage (under torchrun): checkpoint_checks.py SUITE DIR
 from __future__ import annotations
 
 import hashlib
+import functools
 import os
 import pickle
 import shutil
@@ -358,14 +359,16 @@ def save_then_hang(root: Path) -> None:
     print("SAVE-2-NOT-KILLED", flush=True)
 
 
-def verify_after_kill(root: Path) -> None:
+def verify_after_kill(roots: str) -> None:
+    """For each directory of `roots` (comma-separated; a save was killed in each): the previous checkpoint
+    loads exactly, and a new save over the leftovers completes. Check names end with the directory's name."""
     from checkpoint_harness import Opts, Run
     from launch.checkpointing import TrainState, load_checkpoint, save_checkpoint
     from rank_checks import run_checks
 
     opts = Opts(tp=2, pp=2, dropout=0.0)
 
-    def previous_loads():
+    def previous_loads(root: Path):
         run = Run(opts)
         state = load_checkpoint(str(root), run.model, run.optimizer, run.scheduler, opts.run_args())
         assert state is not None and state.iteration == 1, f"expected the iteration-1 checkpoint, got {state}"
@@ -378,18 +381,22 @@ def verify_after_kill(root: Path) -> None:
         state = load_checkpoint(str(root), again.model, again.optimizer, again.scheduler, opts.run_args())
         assert state.iteration == 2 and not (root / "iter_0000002.tmp").exists()
 
-    run_checks([("ckpt_killed_save_leaves_previous", previous_loads)])
+    run_checks([(f"ckpt_killed_save_leaves_previous_{Path(r).name}", functools.partial(previous_loads, Path(r)))
+                for r in roots.split(",")])
 
 
 def main() -> None:
     import parallel_state as ps
 
-    suite, root = sys.argv[1], Path(sys.argv[2])
+    suite, root = sys.argv[1], sys.argv[2]
     if suite == "moe":
         ps.initialize(tp=2, pp=2, ep=2, etp=1)
     else:
         ps.initialize(tp=2, pp=2)
-    {"dense": dense, "moe": moe, "save": save_then_hang, "verify": verify_after_kill}[suite](root)
+    if suite == "verify":
+        verify_after_kill(root)
+    else:
+        {"dense": dense, "moe": moe, "save": save_then_hang}[suite](Path(root))
     ps.destroy()
 
 

@@ -79,7 +79,13 @@ def build_cpu(build_dir: str, verbose: bool = False) -> ModuleType:
     if sanitized():
         directory = os.path.join(build_dir, "sanitize")
         os.makedirs(directory, exist_ok=True)
-        return load(name="fp8_parallel_native_cpu_sanitize", sources=host, build_directory=directory,
-                    verbose=verbose, extra_cflags=["-O1", "-g", *_SANITIZE_FLAGS], extra_ldflags=_SANITIZE_FLAGS)
+        # the compiler runs without the preloaded sanitizer runtime (under it, cc1plus ran out of memory)
+        preload = os.environ.pop("LD_PRELOAD", None)
+        try:
+            return load(name="fp8_parallel_native_cpu_sanitize", sources=host, build_directory=directory,
+                        verbose=verbose, extra_cflags=["-O1", "-g", *_SANITIZE_FLAGS], extra_ldflags=_SANITIZE_FLAGS)
+        finally:
+            if preload is not None:
+                os.environ["LD_PRELOAD"] = preload
     return load(name="fp8_parallel_native_cpu", sources=host, build_directory=build_dir, verbose=verbose,
                 extra_cflags=["-O2"])

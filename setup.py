@@ -21,12 +21,17 @@ def native_extension():
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None:
         return [], {}
+    # FP8P_NATIVE_SANITIZE=1: the host code with AddressSanitizer and UBSan (docs/testing.md says how to run it)
+    sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    sanitized = os.environ.get("FP8P_NATIVE_SANITIZE", "0") == "1"
     ext = CUDAExtension(
         "fp8_parallel._native",
         sources=["fp8_parallel/csrc/native.cpp", "fp8_parallel/csrc/cast_kernels.cu", "fp8_parallel/csrc/lt_gemm.cpp"],
         # (fp8_parallel.native.sources() lists the same files)
         define_macros=[("FP8P_WITH_CUDA", None)],
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        extra_compile_args={"cxx": ["-O1", "-g", *sanitize] if sanitized else ["-O3"],
+                            "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        extra_link_args=sanitize if sanitized else [],
     )
     class OptionalBuildExt(BuildExtension):
         """A failed build of the extension leaves a working pure-Python install (and says why)."""

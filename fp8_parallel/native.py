@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["module", "use", "for_device", "sources", "build_cpu"]
+__all__ = ["module", "use", "for_device", "sources", "build_cpu", "sanitized"]
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # as csrc/native.cpp reads them
 
@@ -59,11 +59,33 @@ def sources() -> Tuple[List[str], List[str]]:
             [os.path.join(here, "cast_kernels.cu"), os.path.join(here, "lt_gemm.cpp")])
 
 
+_SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+
+
+def sanitized() -> bool:
+    """True when `FP8P_NATIVE_SANITIZE=1` asks for the extension built with AddressSanitizer and UBSan (see
+    docs/testing.md, "The compiled path under AddressSanitizer", for how to run it)."""
+    return os.environ.get("FP8P_NATIVE_SANITIZE", "0") == "1"
+
+
 def build_cpu(build_dir: str, verbose: bool = False) -> ModuleType:
     """Build the CPU variant of the extension into `build_dir` with torch's JIT builder (a C++ compiler is
-    needed) and return it, without making it the active one (see `use`)."""
+    needed) and return it, without making it the active one (see `use`). With `FP8P_NATIVE_SANITIZE=1` it is
+    built with AddressSanitizer and UBSan, under another name in `build_dir/sanitize` (the ASan runtime must
+    then be preloaded into Python)."""
     from torch.utils.cpp_extension import load
 
     host, _ = sources()
+    if sanitized():
+        directory = os.path.join(build_dir, "sanitize")
+        os.makedirs(directory, exist_ok=True)
+        # the compiler runs without the preloaded sanitizer runtime (under it, cc1plus ran out of memory)
+        preload = os.environ.pop("LD_PRELOAD", None)
+        try:
+            return load(name="fp8_parallel_native_cpu_sanitize", sources=host, build_directory=directory,
+                        verbose=verbose, extra_cflags=["-O1", "-g", *_SANITIZE_FLAGS], extra_ldflags=_SANITIZE_FLAGS)
+        finally:
+            if preload is not None:
+                os.environ["LD_PRELOAD"] = preload
     return load(name="fp8_parallel_native_cpu", sources=host, build_directory=build_dir, verbose=verbose,
                 extra_cflags=["-O2"])

@@ -15,6 +15,7 @@ import torch
 import fp8_parallel as fp
 from fp8_parallel import native
 from fp8_parallel.quantize import quantize
+from native_build import cpu_extension
 from te_testing import rel_error, seed_for
 
 
@@ -39,8 +40,8 @@ class CountingExtension:
 
 
 @pytest.fixture(scope="module")
-def cpu_ext(tmp_path_factory):
-    return native.build_cpu(str(tmp_path_factory.mktemp("native_build")))
+def cpu_ext():
+    return cpu_extension()
 
 
 @contextlib.contextmanager

@@ -34,11 +34,70 @@ Tensor rows_2d(const Tensor& x) {
   return x2.stride(-1) == 1 ? x2 : x2.contiguous();
 }
 
-void check_slot(const Tensor& buf, int64_t index, const char* what) {
+// Argument checks: every entry point validates all of its arguments with these before it reads or writes any
+// tensor (the CUDA kernels and cuBLASLt take raw pointers, so a wrong size, device or layout would be an
+// out-of-bounds access there). `what` names the argument in the error.
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+void check_device(const Tensor& t, const at::Device& device, const char* what) {
+  TORCH_CHECK(t.device() == device, "fp8_parallel native: ", what, " is on ", t.device(), ", the call's tensors on ",
+              device);
+}
+
+// a float32 / float16 / bfloat16 tensor with a feature (last) dimension, on `device`
+void check_input(const Tensor& t, const at::Device& device, const char* what) {
+  TORCH_CHECK(t.dim() >= 1, "fp8_parallel native: ", what, " must have a feature dimension, got sizes ", t.sizes());
+  TORCH_CHECK(is_float(t.scalar_type()), "fp8_parallel native: ", what,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  check_device(t, device, what);
+}
+
+// a contiguous float32 buffer on `device` with an element at `index`
+void check_slot(const Tensor& buf, int64_t index, const at::Device& device, const char* what) {
   TORCH_CHECK(buf.scalar_type() == at::kFloat, "fp8_parallel native: ", what, " must be float32, got ",
               buf.scalar_type());
-  TORCH_CHECK(buf.is_contiguous() && index >= 0 && index < buf.numel(), "fp8_parallel native: ", what,
-              " index ", index, " outside a buffer of ", buf.numel(), " elements");
+  TORCH_CHECK(buf.is_contiguous(), "fp8_parallel native: ", what, " must be contiguous, got sizes ", buf.sizes(),
+              " strides ", buf.strides());
+  TORCH_CHECK(index >= 0 && index < buf.numel(), "fp8_parallel native: ", what, " index ", index,
+              " outside a buffer of ", buf.numel(), " elements");
+  check_device(buf, device, what);
+}
+
+// one float32 value on `device` (a scale_inv)
+void check_scalar(const Tensor& t, const at::Device& device, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "fp8_parallel native: ", what,
+              " must be one float32, got ", t.scalar_type(), " ", t.sizes());
+  check_device(t, device, what);
+}
+
+// a contiguous 2-d FP8 tensor (on `device`, when given)
+void check_fp8(const Tensor& t, const char* what, const at::Device* device = nullptr) {
+  TORCH_CHECK(is_fp8(t.scalar_type()), "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "fp8_parallel native: ", what,
+              " must be a contiguous 2-d tensor, got sizes ", t.sizes(), " strides ", t.strides());
+  if (device != nullptr) check_device(t, *device, what);
+}
+
+// an FP8 tensor of `rows` x `cols` (contiguous, 2-d, on `device`)
+void check_fp8_matrix(const Tensor& t, int64_t rows, int64_t cols, const at::Device& device, const char* what) {
+  check_fp8(t, what, &device);
+  TORCH_CHECK(t.size(0) == rows && t.size(1) == cols, "fp8_parallel native: ", what, " has sizes ", t.sizes(),
+              ", expected [", rows, ", ", cols, "]");
+}
+
+// a dtype code of native.DTYPE_CODES
+void check_code(int64_t code, const char* what) {
+  TORCH_CHECK(code >= 0 && code <= 2, "fp8_parallel native: ", what, " has unknown dtype code ", code);
+}
+
+// a tensor megatron's fused accumulation adds a [rows, cols] weight gradient into
+void check_main_grad(const Tensor& t, int64_t rows, int64_t cols, const at::Device& device, const char* what) {
+  TORCH_CHECK(is_float(t.scalar_type()) && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
+              "fp8_parallel native: ", what, " must be a float32 / bfloat16 / float16 [", rows, ", ", cols,
+              "] tensor, got ", t.scalar_type(), " ", t.sizes());
+  check_device(t, device, what);
 }
 
 // `_quantize_torch`: the torch formulas, for CPU tensors and empty inputs
@@ -72,11 +131,12 @@ void cast_reference(const Tensor& x2, const Tensor& scale, const Tensor* data, c
   }
 }
 
-// one cast: `scale_buf[scale_index]` as the scale, `amax_buf[amax_index]` as the slot
+// one cast: `scale_buf[scale_index]` as the scale, `amax_buf[amax_index]` as the slot (flat indices of
+// contiguous buffers); the entry points have checked every argument
 void cast(const Tensor& x2, const Tensor& scale_buf, int64_t scale_index, const Tensor* data, const Tensor* t,
           const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index, const Tensor* noop, bool e5m2) {
-  check_slot(scale_buf, scale_index, "scale");
-  if (amax_buf) check_slot(*amax_buf, amax_index, "amax slot");
+  check_slot(scale_buf, scale_index, x2.device(), "scale");  // (again: cheap, and the kernel takes a pointer)
+  if (amax_buf) check_slot(*amax_buf, amax_index, x2.device(), "amax slot");
 #ifdef FP8P_WITH_CUDA
   if (x2.is_cuda() && x2.numel() > 0) {
     cast_cuda(x2, scale_buf.data_ptr<float>() + scale_index,
@@ -86,9 +146,9 @@ void cast(const Tensor& x2, const Tensor& scale_buf, int64_t scale_index, const 
     return;
   }
 #endif
-  const Tensor slot = amax_buf ? amax_buf->narrow(0, amax_index, 1) : Tensor();
-  cast_reference(x2, scale_buf.narrow(0, scale_index, 1), data, t, scale_inv, amax_buf ? &slot : nullptr, noop,
-                 e5m2);
+  const Tensor slot = amax_buf ? amax_buf->view(-1).narrow(0, amax_index, 1) : Tensor();
+  cast_reference(x2, scale_buf.view(-1).narrow(0, scale_index, 1), data, t, scale_inv, amax_buf ? &slot : nullptr,
+                 noop, e5m2);
 }
 
 // cuBLAS's FP8 GEMM refuses operand and scale pointers that do not start at a 16-byte boundary
@@ -129,37 +189,40 @@ void gemm_accumulate(const Tensor& a, const Tensor& b, const Tensor& a_sinv, con
   acc.add_(at::_scaled_mm(a16, b16.t(), sa, sb, std::nullopt, std::nullopt, at::kFloat, false));
 }
 
-void check_fp8(const Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
-              "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "fp8_parallel native: ", what,
-              " must be a contiguous 2-d tensor, got sizes ", t.sizes(), " strides ", t.strides());
-}
-
 }  // namespace
 
 // `quantize`'s fused cast into given outputs: `data` (x's shape), `t` ([N, M]) or both; see cuda_ops.h
 void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, const OptTensor& data,
                const OptTensor& t, const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index,
                const OptTensor& noop) {
+  const at::Device device = x.device();
+  check_input(x, device, "input");
   const Tensor x2 = rows_2d(x.detach());
   TORCH_CHECK(data || t, "fp8_parallel native cast: neither data nor transpose given");
-  const bool e5m2 = (data ? *data : *t).scalar_type() == at::kFloat8_e5m2;
   if (data) {
-    check_fp8(data->dim() == 2 ? *data : data->view({x2.size(0), x2.size(1)}), "data");
+    TORCH_CHECK(is_fp8(data->scalar_type()), "fp8_parallel native: data must be FP8, got ", data->scalar_type());
     TORCH_CHECK(data->numel() == x2.numel(), "fp8_parallel native cast: data has ", data->numel(),
                 " elements, the input ", x2.numel());
+    TORCH_CHECK(data->is_contiguous(), "fp8_parallel native cast: data must be contiguous, got sizes ",
+                data->sizes(), " strides ", data->strides());
+    check_device(*data, device, "data");
   }
   if (t) {
-    check_fp8(*t, "transpose");
+    check_fp8(*t, "transpose", &device);
     TORCH_CHECK(t->size(0) == x2.size(1) && t->size(1) == x2.size(0), "fp8_parallel native cast: transpose has sizes ",
                 t->sizes(), ", the input ", x2.sizes());
     TORCH_CHECK(!data || data->scalar_type() == t->scalar_type(), "fp8_parallel native cast: data is ",
                 data->scalar_type(), ", transpose ", t->scalar_type());
   }
-  TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.numel() == 1,
-              "fp8_parallel native cast: scale_inv must be one float32, got ", scale_inv.scalar_type(), " ",
-              scale_inv.sizes());
+  const bool e5m2 = (data ? *data : *t).scalar_type() == at::kFloat8_e5m2;
+  check_scalar(scale_inv, device, "scale_inv");
+  check_slot(scale_buf, scale_index, device, "scale");
+  if (amax_buf) check_slot(*amax_buf, amax_index, device, "amax slot");
+  if (noop) {
+    TORCH_CHECK(noop->numel() == 1, "fp8_parallel native cast: noop flag must be one element, got sizes ",
+                noop->sizes());
+    check_device(*noop, device, "noop flag");
+  }
   cast(x2, scale_buf, scale_index, data ? &*data : nullptr, t ? &*t : nullptr, scale_inv, amax_buf, amax_index,
        noop ? &*noop : nullptr, e5m2);
 }
@@ -173,14 +236,42 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
 std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const OptTensor& amax_buf,
                                int64_t amax_index, bool keep_t, bool keep_scales, const OptTensor& w_data,
                                const OptTensor& w_sinv, const OptTensor& w_hp, const OptTensor& bias) {
-  TORCH_CHECK(x.dim() >= 1, "fp8_parallel native linear: input must have a feature dimension");
-  TORCH_CHECK((w_data && w_sinv) != bool(w_hp), "fp8_parallel native linear: give the FP8 weight or the weight to cast");
+  const at::Device device = x.device();
+  check_input(x, device, "input");
+  TORCH_CHECK(w_hp ? !w_data && !w_sinv : w_data && w_sinv,
+              "fp8_parallel native linear: give the FP8 weight and its scale_inv, or the weight to cast");
   const Tensor x2 = rows_2d(x);
+  const int64_t K = x2.size(1);
+  // the checks, before anything is read or written
+  check_slot(scale_buf, 0, device, "scale");
+  if (w_hp || keep_scales) check_slot(scale_buf, 1, device, "scale");
+  if (amax_buf) {
+    check_slot(*amax_buf, amax_index, device, "amax slot");
+    if (w_hp) check_slot(*amax_buf, amax_index + 1, device, "weight amax slot");
+  }
+  Tensor w2;
+  int64_t N;
+  if (w_hp) {
+    check_input(*w_hp, device, "weight");
+    w2 = rows_2d(w_hp->detach());
+    N = w2.size(0);
+    TORCH_CHECK(w2.size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ", w_hp->sizes());
+  } else {
+    check_fp8(*w_data, "weight", &device);
+    check_scalar(*w_sinv, device, "weight scale_inv");
+    N = w_data->size(0);
+    TORCH_CHECK(w_data->size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ",
+                w_data->sizes());
+  }
+  if (bias) {
+    check_input(*bias, device, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "fp8_parallel native linear: bias has sizes ", bias->sizes(),
+                ", the weight ", N, " outputs");
+  }
   const auto opts = x2.options();
-  const Tensor saved_scales = keep_scales ? scale_buf.narrow(0, 0, 2).clone() : Tensor();
+  const Tensor saved_scales = keep_scales ? scale_buf.view(-1).narrow(0, 0, 2).clone() : Tensor();
   Tensor qw, qw_sinv, cast_sinv;
   if (w_hp) {
-    const Tensor w2 = rows_2d(w_hp->detach());
     qw = at::empty({w2.size(0), w2.size(1)}, opts.dtype(at::kFloat8_e4m3fn));
     cast_sinv = qw_sinv = at::empty({}, opts.dtype(at::kFloat));
     cast(w2, scale_buf, 1, &qw, nullptr, qw_sinv, amax_buf, amax_index + 1, nullptr, false);
@@ -188,9 +279,6 @@ std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const O
     qw = *w_data;
     qw_sinv = *w_sinv;
   }
-  check_fp8(qw, "weight");
-  TORCH_CHECK(qw.size(1) == x2.size(1), "fp8_parallel native linear: input has ", x2.size(1),
-              " features, the weight ", qw.sizes());
   const Tensor qx = at::empty({x2.size(0), x2.size(1)}, opts.dtype(at::kFloat8_e4m3fn));
   const Tensor qx_t = keep_t ? at::empty({x2.size(1), x2.size(0)}, opts.dtype(at::kFloat8_e4m3fn)) : Tensor();
   const Tensor sinv = at::empty({}, opts.dtype(at::kFloat));
@@ -218,9 +306,58 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
                                const OptTensor& saved_scales, const OptTensor& x_sinv, bool need_dgrad,
                                bool need_wgrad, bool need_bgrad, int64_t x_dtype, int64_t w_dtype,
                                const OptTensor& main_grad) {
+  const at::Device device = g.device();
+  check_input(g, device, "grad_output");
   const Tensor g2 = g.dim() == 2 ? g : g.reshape({-1, g.size(-1)});
-  const Tensor g2c = g2.stride(1) == 1 ? g2 : g2.contiguous();
   const int64_t M = g2.size(0), N = g2.size(1);
+  // the checks, before anything is read or written
+  check_slot(g_scale_buf, 0, device, "grad_output scale");
+  if (g_amax_buf) check_slot(*g_amax_buf, g_amax_index, device, "grad_output amax slot");
+  check_code(x_dtype, "the input's dtype");
+  check_code(w_dtype, "the weight's dtype");
+  int64_t K = -1;  // the input's features, from the dgrad's or the wgrad's operand
+  if (need_dgrad) {
+    TORCH_CHECK((w_t || w_ref) && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
+    check_scalar(*w_sinv, device, "weight scale_inv");
+    if (w_t) {
+      check_fp8(*w_t, "weight transpose", &device);
+      TORCH_CHECK(w_t->size(1) == N, "fp8_parallel native linear: weight transpose has sizes ", w_t->sizes(),
+                  ", the gradient ", N, " features");
+      K = w_t->size(0);
+    } else {
+      check_input(*w_ref, device, "weight");
+      TORCH_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
+      check_slot(*saved_scales, 1, device, "saved scales");
+      const Tensor w2 = rows_2d(w_ref->detach());
+      TORCH_CHECK(w2.size(0) == N, "fp8_parallel native linear: weight has sizes ", w_ref->sizes(), ", the gradient ",
+                  N, " features");
+      K = w2.size(1);
+    }
+  }
+  if (need_wgrad) {
+    TORCH_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
+    check_scalar(*x_sinv, device, "input scale_inv");
+    int64_t k = -1;
+    if (x_t) {
+      check_fp8(*x_t, "input transpose", &device);
+      TORCH_CHECK(x_t->size(1) == M, "fp8_parallel native linear: input transpose has sizes ", x_t->sizes(),
+                  ", the gradient ", M, " rows");
+      k = x_t->size(0);
+    } else {
+      check_input(*x_ref, device, "input");
+      TORCH_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
+      check_slot(*saved_scales, 0, device, "saved scales");
+      const Tensor r2 = rows_2d(x_ref->detach());
+      TORCH_CHECK(r2.size(0) == M, "fp8_parallel native linear: input has sizes ", x_ref->sizes(), ", the gradient ",
+                  M, " rows");
+      k = r2.size(1);
+    }
+    TORCH_CHECK(K < 0 || k == K, "fp8_parallel native linear: the weight has ", K, " input features, the input ", k);
+    if (main_grad) {
+      check_main_grad(*main_grad, N, k, device, "main_grad");
+    }
+  }
+  const Tensor g2c = g2.stride(1) == 1 ? g2 : g2.contiguous();
   const auto opts = g2.options();
   const at::ScalarType gtype = fp8_type(g_e5m2);
   Tensor qg = at::empty({M, N}, opts.dtype(gtype));
@@ -229,7 +366,6 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
   cast(g2c, g_scale_buf, 0, &qg, need_wgrad ? &qg_t : nullptr, g_sinv, g_amax_buf, g_amax_index, nullptr, g_e5m2);
   // a transpose-only re-cast of `ref` ([R, C] -> [C, R], E4M3) with saved_scales[index]
   auto recast_t = [&](const Tensor& ref, int64_t index) {
-    TORCH_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
     const Tensor r2 = rows_2d(ref.detach());
     Tensor t = at::empty({r2.size(1), r2.size(0)}, opts.dtype(at::kFloat8_e4m3fn));
     const Tensor unused_sinv = at::empty({}, opts.dtype(at::kFloat));
@@ -239,24 +375,13 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
   Tensor grad_x, grad_w, grad_b;
   // dgrad first; its operands are released before the wgrad GEMM allocates the weight gradient
   if (need_dgrad) {
-    TORCH_CHECK((w_t || w_ref) && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
     const Tensor wt = w_t ? *w_t : recast_t(*w_ref, 1);
-    check_fp8(wt, "weight transpose");
     grad_x = gemm(qg, wt, g_sinv, *w_sinv, std::nullopt, dtype_of(x_dtype), false);
   }
   qg.reset();
   if (need_wgrad) {
-    TORCH_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
     const Tensor xt = x_t ? *x_t : recast_t(*x_ref, 0);
-    check_fp8(xt, "input transpose");
     if (main_grad) {
-      const at::ScalarType mt = main_grad->scalar_type();
-      TORCH_CHECK(main_grad->device() == g2.device(), "fp8_parallel native linear: main_grad is on ",
-                  main_grad->device(), ", the gradient on ", g2.device());
-      TORCH_CHECK((mt == at::kFloat || mt == at::kBFloat16 || mt == at::kHalf) && main_grad->dim() == 2 &&
-                      main_grad->size(0) == N && main_grad->size(1) == xt.size(0),
-                  "fp8_parallel native linear: main_grad must be a float32 / bfloat16 / float16 [", N, ", ",
-                  xt.size(0), "] tensor, got ", mt, " ", main_grad->sizes());
       Tensor acc = *main_grad;
       gemm_accumulate(qg_t, xt, g_sinv, *x_sinv, acc);
     } else {
@@ -290,40 +415,94 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
                                 const std::vector<bool>& need_w, const std::vector<int64_t>& w_dtypes,
                                 const std::vector<OptTensor>& main_grads) {
   const int64_t experts = static_cast<int64_t>(splits.size());
-  TORCH_CHECK(g_sinv.dim() == 1 && g_sinv.size(0) == experts, "fp8_parallel native experts: ", experts,
-              " experts, ", g_sinv.sizes(), " grad_output scale_invs");
-  std::vector<Tensor> out(experts + 1);
-  if (g_rows) {
-    check_fp8(*g_rows, "grad_output cast");
+  const at::Device device = g_sinv.device();
+  // the checks, before anything is read or written
+  TORCH_CHECK(n > 0 && k > 0, "fp8_parallel native experts: ", n, " outputs and ", k, " inputs per expert");
+  TORCH_CHECK(g_sinv.scalar_type() == at::kFloat && g_sinv.dim() == 1 && g_sinv.size(0) == experts,
+              "fp8_parallel native experts: ", experts, " experts, ", g_sinv.sizes(), " grad_output scale_invs (",
+              g_sinv.scalar_type(), ")");
+  const bool dgrad = g_rows.has_value(), wgrad = g_t && x_t;
+  std::vector<int64_t> starts(experts);
+  if (dgrad) {
+    check_fp8(*g_rows, "grad_output cast", &device);
+    TORCH_CHECK(g_rows->size(1) == n, "fp8_parallel native experts: the grad_output cast has sizes ", g_rows->sizes(),
+                ", the experts ", n, " outputs");
     TORCH_CHECK(static_cast<int64_t>(w_t.size()) == experts && static_cast<int64_t>(w_sinv.size()) == experts,
-                "fp8_parallel native experts: ", w_t.size(), " weight transposes for ", experts, " experts");
-    Tensor grad_x = at::empty({g_rows->size(0), k}, g_rows->options().dtype(dtype_of(x_dtype)));
-    std::vector<int64_t> starts(experts);
+                "fp8_parallel native experts: ", w_t.size(), " weight transposes and ", w_sinv.size(),
+                " scale_invs for ", experts, " experts");
+    check_code(x_dtype, "the input's dtype");
+    const int64_t total = g_rows->size(0);
     int64_t rows = 0;
-    for (int64_t e = 0; e < experts; ++e) { starts[e] = rows; rows += splits[e]; }
-    TORCH_CHECK(rows == g_rows->size(0), "fp8_parallel native experts: splits sum to ", rows, ", the cast has ",
-                g_rows->size(0), " rows");
-    for (int64_t e = experts - 1; e >= 0; --e) {
-      if (splits[e] == 0) continue;
-      check_fp8(w_t[e], "weight transpose");
-      TORCH_CHECK(w_t[e].size(0) == k && w_t[e].size(1) == g_rows->size(1), "fp8_parallel native experts: weight ",
-                  "transpose ", e, " has sizes ", w_t[e].sizes(), ", expected [", k, ", ", g_rows->size(1), "]");
-      Tensor dx = grad_x.narrow(0, starts[e], splits[e]);
-      at::_scaled_mm_out(dx, g_rows->narrow(0, starts[e], splits[e]), w_t[e].t(), g_sinv.select(0, e),
-                         scale_operand(w_sinv[e]), std::nullopt, std::nullopt, dtype_of(x_dtype), false);
+    for (int64_t e = 0; e < experts; ++e) {
+      // (each one at most the rows of the cast: no overflow in the sum)
+      TORCH_CHECK(splits[e] >= 0 && splits[e] <= total, "fp8_parallel native experts: split ", e, " is ", splits[e],
+                  ", the cast has ", total, " rows");
+      starts[e] = rows;
+      rows += splits[e];
     }
-    out[0] = grad_x;
+    TORCH_CHECK(rows == total, "fp8_parallel native experts: splits sum to ", rows, ", the cast has ", total, " rows");
+    for (int64_t e = 0; e < experts; ++e) {
+      TORCH_CHECK(is_fp8(w_t[e].scalar_type()) && w_t[e].dim() == 2 && w_t[e].is_contiguous(),
+                  "fp8_parallel native experts: weight transpose ", e, " must be a contiguous 2-d FP8 tensor, got ",
+                  w_t[e].scalar_type(), " sizes ", w_t[e].sizes(), " strides ", w_t[e].strides());
+      TORCH_CHECK(w_t[e].size(0) == k && w_t[e].size(1) == n, "fp8_parallel native experts: weight transpose ", e,
+                  " has sizes ", w_t[e].sizes(), ", expected [", k, ", ", n, "]");
+      check_device(w_t[e], device, "a weight transpose");
+      check_scalar(w_sinv[e], device, "a weight scale_inv");
+    }
   }
-  if (g_t && x_t) {
-    TORCH_CHECK(x_sinv && x_sinv->dim() == 1 && x_sinv->size(0) == experts, "fp8_parallel native experts: the ",
-                "inputs' scale_invs must be one per expert");
+  if (wgrad) {
+    TORCH_CHECK(x_sinv && x_sinv->scalar_type() == at::kFloat && x_sinv->dim() == 1 && x_sinv->size(0) == experts,
+                "fp8_parallel native experts: the inputs' scale_invs must be one float32 per expert, got ",
+                x_sinv ? x_sinv->sizes() : at::IntArrayRef{}, " for ", experts, " experts");
+    check_device(*x_sinv, device, "the inputs' scale_invs");
     TORCH_CHECK(static_cast<int64_t>(padded_starts.size()) == experts &&
                     static_cast<int64_t>(padded_rows.size()) == experts &&
                     static_cast<int64_t>(need_w.size()) == experts &&
                     static_cast<int64_t>(w_dtypes.size()) == experts &&
                     static_cast<int64_t>(main_grads.size()) == experts,
                 "fp8_parallel native experts: one padded start, padded row count, need flag, dtype and main_grad ",
-                "per expert");
+                "per expert, got ", padded_starts.size(), ", ", padded_rows.size(), ", ", need_w.size(), ", ",
+                w_dtypes.size(), ", ", main_grads.size(), " for ", experts, " experts");
+    for (const auto* buf : {&*g_t, &*x_t}) {
+      const char* what = buf == &*g_t ? "grad_output transposes" : "input transposes";
+      TORCH_CHECK(is_fp8(buf->scalar_type()) && buf->is_contiguous(), "fp8_parallel native experts: the ", what,
+                  " must be a contiguous FP8 buffer, got ", buf->scalar_type(), " sizes ", buf->sizes(), " strides ",
+                  buf->strides());
+      check_device(*buf, device, what);
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      if (!need_w[e]) continue;
+      check_code(w_dtypes[e], "a weight gradient's dtype");
+      const int64_t ps = padded_starts[e], pm = padded_rows[e];
+      // [ps, ps + pm) of the padded rows, in both buffers (compared by division: no overflow)
+      const int64_t g_rows_have = g_t->numel() / n, x_rows_have = x_t->numel() / k;
+      TORCH_CHECK(ps >= 0 && pm >= 0 && pm <= g_rows_have && ps <= g_rows_have - pm && pm <= x_rows_have &&
+                      ps <= x_rows_have - pm,
+                  "fp8_parallel native experts: expert ", e, "'s padded rows [", ps, ", ", ps, " + ", pm,
+                  ") outside the transposes' ", g_rows_have, " (grad_output) and ", x_rows_have, " (input) rows");
+      if (main_grads[e]) {
+        const Tensor& acc = *main_grads[e];
+        TORCH_CHECK(is_float(acc.scalar_type()) && acc.dim() == 2 && acc.size(0) == n && acc.size(1) == k &&
+                        acc.device() == device,
+                    "fp8_parallel native experts: main_grad ", e, " has sizes ", acc.sizes(), " (", acc.scalar_type(),
+                    ") on ", acc.device(), ", expected float32 / bfloat16 / float16 [", n, ", ", k, "] on ", device);
+      }
+    }
+  }
+  std::vector<Tensor> out(experts + 1);
+  if (dgrad) {
+    Tensor grad_x = at::empty({g_rows->size(0), k}, g_rows->options().dtype(dtype_of(x_dtype)));
+    for (int64_t e = experts - 1; e >= 0; --e) {
+      if (splits[e] == 0) continue;
+      Tensor dx = grad_x.narrow(0, starts[e], splits[e]);
+      at::_scaled_mm_out(dx, g_rows->narrow(0, starts[e], splits[e]), w_t[e].t(), g_sinv.select(0, e),
+                         scale_operand(w_sinv[e]), std::nullopt, std::nullopt, dtype_of(x_dtype), false);
+    }
+    out[0] = grad_x;
+  }
+  if (wgrad) {
+    const Tensor g_flat = g_t->view(-1), x_flat = x_t->view(-1);
     for (int64_t e = experts - 1; e >= 0; --e) {
       if (!need_w[e]) continue;
       const int64_t ps = padded_starts[e], pm = padded_rows[e];
@@ -332,14 +511,11 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
         if (!into) out[e + 1] = at::zeros({n, k}, g_t->options().dtype(dtype_of(w_dtypes[e])));
         continue;
       }
-      const Tensor a = g_t->as_strided({n, pm}, {pm, 1}, n * ps);  // [N, padded] row-major
-      const Tensor b = x_t->as_strided({k, pm}, {pm, 1}, k * ps);  // [K, padded] row-major
+      const Tensor a = g_flat.narrow(0, n * ps, n * pm).view({n, pm});  // [N, padded] row-major
+      const Tensor b = x_flat.narrow(0, k * ps, k * pm).view({k, pm});  // [K, padded] row-major
       const Tensor sa = g_sinv.select(0, e), sb = x_sinv->select(0, e);
       if (into) {
         Tensor acc = *into;
-        TORCH_CHECK(acc.dim() == 2 && acc.size(0) == n && acc.size(1) == k && acc.device() == g_t->device(),
-                    "fp8_parallel native experts: main_grad ", e, " has sizes ", acc.sizes(), " on ", acc.device(),
-                    ", expected [", n, ", ", k, "] on ", g_t->device());
         gemm_accumulate(a, b, sa, sb, acc);
       } else {
         out[e + 1] = at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, dtype_of(w_dtypes[e]), false);

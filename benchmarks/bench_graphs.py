@@ -49,22 +49,31 @@ def _peak(fn) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-def bench_single_gpu() -> None:
-    import parallel_state as ps
+# the safe default (each microbatch's outputs and input grads its own, returned parameter grads cloned)
+# against TransformerEngine's memory-saving options, which megatron's schedule makes safe
+GRAPH_MODES = {
+    "owned buffers": {},
+    "shared buffers": {"_reuse_graph_input_output_buffers": True, "clone_param_grads_on_return": False},
+}
+
+
+def _build_layers(cfg) -> list:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
     from fp8_parallel.megatron import get_gpt_layer_spec
-    from fp8_parallel.pipeline import capture_order
 
-    ps.initialize()
-    cfg = _config()
     torch.manual_seed(1234)  # host-side inits (megatron's learned position embeddings): as Megatron-LM seeds
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
-    layers = [build_module(get_gpt_layer_spec(), config=cfg, layer_number=i + 1).cuda() for i in range(LAYERS)]
+    return [build_module(get_gpt_layer_spec(), config=cfg, layer_number=i + 1).cuda() for i in range(LAYERS)]
+
+
+def _step_fn(layers: list):
     params = [p for layer in layers for p in layer.parameters()]
-    xs = [torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(M)]
-    gs = [torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(M)]
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True, generator=gen)
+          for _ in range(M)]
+    gs = [torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(M)]
 
     def step():
         for p in params:
@@ -76,24 +85,50 @@ def bench_single_gpu() -> None:
                     h = layer(hidden_states=h)[0]
             h.backward(g)
 
+    return step
+
+
+def bench_single_gpu() -> None:
+    import parallel_state as ps
+
+    from fp8_parallel.pipeline import capture_order
+
+    ps.initialize()
+    cfg = _config()
     case = f"{LAYERS} layers h={HIDDEN} s={SEQ} mb={MBS} x{M}"
+    step = _step_fn(_build_layers(cfg))
     t_eager = bench_ms(step, warmup=3, iters=15)
     peak_eager = _peak(step)  # everything allocated at the eager step's peak: weights, grads, activations
     record("graphs", f"{case} eager", "ms", t_eager)
     record("graphs", f"{case} eager", "peak MiB", peak_eager / 2**20)
-    pool = torch.cuda.graph_pool_handle()
-    samples = [{"hidden_states": torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)}
-               for _ in range(LAYERS)]
-    fp.make_graphed_callables(layers, [()] * LAYERS, sample_kwargs=samples, fp8_enabled=True, fp8_recipe=RECIPE,
-                              fp8_weight_caching=True, order=capture_order(M, 1, 0), pool=pool)
-    t_graph = bench_ms(step, warmup=3, iters=15)
-    step()
-    torch.cuda.synchronize()
-    pool_bytes, outside = _footprint(pool)  # after a step: grads held, static buffers, weight caches
-    record("graphs", f"{case} graphed", "ms", t_graph, "eager step time", t_eager / t_graph)
-    record("graphs", f"{case} graph pool", "MiB", pool_bytes / 2**20, "eager peak", pool_bytes / peak_eager)
-    record("graphs", f"{case} graphed total", "MiB", (pool_bytes + outside) / 2**20, "eager peak",
-           (pool_bytes + outside) / peak_eager)
+    del step
+    owned = {}
+    for mode, options in GRAPH_MODES.items():
+        torch.cuda.empty_cache()
+        layers = _build_layers(cfg)
+        step = _step_fn(layers)
+        pool = torch.cuda.graph_pool_handle()
+        samples = [{"hidden_states": torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16,
+                                                 requires_grad=True)} for _ in range(LAYERS)]
+        fp.make_graphed_callables(layers, [()] * LAYERS, sample_kwargs=samples, fp8_enabled=True,
+                                  fp8_recipe=RECIPE, fp8_weight_caching=True, order=capture_order(M, 1, 0),
+                                  pool=pool, **options)
+        t_graph = bench_ms(step, warmup=3, iters=15)
+        step()
+        torch.cuda.synchronize()
+        pool_bytes, outside = _footprint(pool)  # after a step: grads held, static buffers, weight caches
+        record("graphs", f"{case} graphed, {mode}", "ms", t_graph, "eager step time", t_eager / t_graph)
+        record("graphs", f"{case} graph pool, {mode}", "MiB", pool_bytes / 2**20, "eager peak",
+               pool_bytes / peak_eager)
+        record("graphs", f"{case} graphed total, {mode}", "MiB", (pool_bytes + outside) / 2**20, "eager peak",
+               (pool_bytes + outside) / peak_eager)
+        if not owned:
+            owned = {"ms": t_graph, "pool": pool_bytes}
+        else:
+            record("graphs", f"{case} {mode} vs owned", "ms", t_graph, "owned buffers ms", owned["ms"] / t_graph)
+            record("graphs", f"{case} {mode} vs owned", "pool MiB", pool_bytes / 2**20, "owned buffers pool",
+                   pool_bytes / owned["pool"])
+        del layers, step, samples, pool
     ps.destroy()
 
 

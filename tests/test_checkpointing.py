@@ -56,6 +56,28 @@ def test_publish_latest_and_incomplete_saves(tmp_path):
     assert path == first and any("iter_0000020" in n for n in notes)
 
 
+def test_publish_renames_the_finished_save(tmp_path):
+    """Publishing moves the finished directory into place in one rename: the files under `iter_N` are the very
+    files written under `iter_N.tmp` (same inodes: never a copy, which a kill could leave half done), the
+    `.tmp` directory is gone, and `latest` is replaced as a new file (a reader holding the old one keeps it)."""
+    tmp = tmp_path / f"{cf.checkpoint_name(7)}.tmp"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"tensor bytes")
+    (tmp / cf.RUN_META).write_text(json.dumps({"format": cf.FORMAT, "iteration": 7}))
+    cf.write_manifest(tmp)
+    written = {p.name: p.stat().st_ino for p in tmp.iterdir()}
+    cf.write_atomic(tmp_path / cf.LATEST, "iter_0000003\n")
+    with open(tmp_path / cf.LATEST) as old_latest:
+        cf.publish(tmp, tmp_path / cf.checkpoint_name(7))
+        assert old_latest.read() == "iter_0000003\n"
+    final = tmp_path / cf.checkpoint_name(7)
+    assert not tmp.exists()
+    assert {p.name: p.stat().st_ino for p in final.iterdir()} == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([cf.LATEST, final.name])
+    assert cf.read_latest(tmp_path) == final.name
+    cf.verify(final)
+
+
 def test_verify_names_the_damage(tmp_path):
     ck = _fake_checkpoint(tmp_path, 3, bytes(range(256)) * 4)
     f = ck / "__0_0.distcp"

@@ -12,7 +12,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import fp8_parallel as fp
 from fp8_parallel.modules import Linear
-from fp8_parallel.scopes import current_scope
+from fp8_parallel.testing import backward_done, current_key, pending_backward
 
 H = 32
 RECIPE = fp.DelayedScaling(amax_history_len=4)
@@ -53,7 +53,7 @@ def test_no_grad_call_and_frozen_layers_do_not_stop_the_backward_reduction():
     for step in range(3):
         grads = {"trainable": [], "frozen_mid": []}
         with fp.autocast(recipe=RECIPE):
-            key = current_scope().state
+            key = current_key()
             h = torch.tanh(_out(frozen_first(_input(seed, step, grad=False))))  # no node: expects nothing
             with torch.no_grad():
                 _out(probe(h))  # a logging probe: expects nothing
@@ -62,7 +62,7 @@ def test_no_grad_call_and_frozen_layers_do_not_stop_the_backward_reduction():
             m = _out(frozen_mid(torch.tanh(t)))  # frozen weight, grad-requiring input: its backward runs
             m.register_hook(_grad_amax_hook(grads["frozen_mid"]))
         (m.float() ** 2).sum().backward()
-        assert key.pending_backward == 0 and key.backward_done, (step, key.pending_backward)
+        assert pending_backward(key) == 0 and backward_done(key), (step, pending_backward(key))
         assert torch.equal(trainable.fp8.bwd.amax_history[0, 0], grads["trainable"][0]), step
         assert torch.equal(frozen_mid.fp8.bwd.amax_history[0, 0], grads["frozen_mid"][0]), step
         assert (trainable.fp8.bwd.amax_history[0, : step + 1] > 0).all(), step  # rolled once per iteration
@@ -200,12 +200,12 @@ def test_reentrant_checkpoint_retain_graph_backward_twice():
         with fp.autocast(recipe=RECIPE):
             out = fn(plain)(x)
         with fp.autocast(recipe=RECIPE):
-            key = current_scope().state
+            key = current_key()
             outc = torch_checkpoint.checkpoint(fn(ckpt), xc, use_reentrant=True)
         for again in (True, False):
             out.sum().backward(retain_graph=again)
             outc.sum().backward(retain_graph=again)
-            assert key.pending_backward == 0 and key.backward_done, (step, key.pending_backward)
+            assert pending_backward(key) == 0 and backward_done(key), (step, pending_backward(key))
             for p, q in zip(plain.parameters(), ckpt.parameters()):
                 assert torch.equal(p.grad, q.grad), (step, again)
                 p.grad = q.grad = None
@@ -220,9 +220,9 @@ def test_checkpoint_without_grad_inputs_expects_no_backward():
     frozen, trainable = _layers(2, seed)
     frozen.requires_grad_(False)
     with fp.autocast(recipe=RECIPE):
-        key = current_scope().state
+        key = current_key()
         h = torch_checkpoint.checkpoint(lambda t: _out(frozen(t)), _input(seed, 0, grad=False), use_reentrant=True)
         out = _out(trainable(h))
     out.sum().backward()
-    assert key.pending_backward == 0 and key.backward_done
+    assert pending_backward(key) == 0 and backward_done(key)
     assert trainable.fp8.bwd.amax_history[0, 0] > 0

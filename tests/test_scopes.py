@@ -25,7 +25,8 @@ def test_disabled_scope_runs_high_precision_and_nested_same_key_shares_state():
     x = torch.randn(8, 32)
     other = Linear(32, 32, device="cpu")
     recipe = fp.DelayedScaling()
-    from fp8_parallel.scopes import _SCOPE_STACK, current_scope
+    from fp8_parallel.scopes import current_scope
+    from fp8_parallel.testing import active_scopes
 
     with fp.autocast(recipe=recipe):
         outer_state = current_scope().state
@@ -39,7 +40,7 @@ def test_disabled_scope_runs_high_precision_and_nested_same_key_shares_state():
         lin(x)
         assert outer_state.forward.metas == [other.fp8.fwd, lin.fp8.fwd]  # one table for both
     torch.testing.assert_close(y_hp, torch.nn.functional.linear(x, lin.weight, lin.bias))
-    assert not _SCOPE_STACK
+    assert not active_scopes()
     assert (other.fp8.fwd.amax_history[:, 0] > 0).all() and (lin.fp8.fwd.amax_history[:, 0] > 0).all()
 
 
@@ -70,9 +71,10 @@ def test_amax_table_lives_where_its_modules_fp8_state_lives():
     refused by name (the fused update addresses every history through one device)."""
     from fp8_parallel.amax_table import AmaxTable
     from fp8_parallel.meta import FP8Meta
+    from fp8_parallel.testing import allocate_table
 
     table = AmaxTable("forward", torch.device("meta"))  # stands for the GPU default of a CPU-only run here
-    table._allocate()  # an empty table allocated for a reduction keeps no slots
+    allocate_table(table)  # an empty table allocated for a reduction keeps no slots
     first = FP8Meta(2, "layer0/fwd", history_len=4, device=torch.device("cpu"))
     assert table.slots(first).device.type == "cpu" and table.device.type == "cpu"
     other = FP8Meta(1, "layer1/fwd", history_len=4, device=torch.device("meta"))

@@ -11,7 +11,8 @@ by pytest and by the torchrun ranks its tests launch). A test that fails has cau
 
 The baseline runs every listed test on an unmutated copy first: a test that fails there catches nothing,
 and the script stops (fix the suite first). It prints a table (mutation, file, tests run, caught by N,
-which) and exits 1 if any mutation is caught by fewer than `--min-caught` (default 3) tests, 2 on a
+which) and exits 1 if any mutation is caught by fewer than `--min-caught` (default 3) test functions (the
+cases of one parametrized test count once), 2 on a
 mutation whose text does not occur exactly once (the source moved on: update the mutation).
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,7 +64,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         (
             "tests/test_numerics.py::test_history_sequences_match_reference",
             "tests/test_numerics.py::test_delayed_scale_is_a_correctly_rounded_division",
-            "tests/test_module_correctness.py",
+            "tests/test_pretrain_gpt.py::test_tp2_run_json_log_and_plot",
         ),
     ),
     Mutation(
@@ -86,7 +87,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "rolled = torch.cat([new_amax.float().unsqueeze(1), history[:, 1:]], dim=1)",
         (
             "tests/test_numerics.py::test_history_sequences_match_reference",
-            "tests/test_scopes.py::test_callable_amax_compute_algo_gets_transformer_engines_layout",
+            "tests/test_backward_expectation.py",
             "tests/test_scopes.py::test_scopes_multirank",
         ),
     ),
@@ -204,16 +205,28 @@ def check_imports_copy(root: Path) -> None:
         raise RuntimeError(f"the copy imports fp8_parallel from {where}, not from {root}")
 
 
-def _short(nid: str) -> str:
-    return nid.replace("tests/", "", 1)
+def _function(nid: str) -> str:
+    """A node id without its parameters: `test_x.py::test_y[a-b]` -> `test_x.py::test_y`."""
+    return nid.replace("tests/", "", 1).split("[", 1)[0]
+
+
+def caught_functions(failed: Sequence[str]) -> Dict[str, int]:
+    """The test functions among `failed` node ids, with how many of their parametrized cases failed."""
+    out: Dict[str, int] = {}
+    for nid in failed:
+        out[_function(nid)] = out.get(_function(nid), 0) + 1
+    return dict(sorted(out.items()))
 
 
 def table(rows: List[Tuple[Mutation, int, List[str], float]]) -> str:
-    lines = ["| mutation | file | tests run | caught by | caught by these tests | minutes |",
+    """Markdown: per mutation, its file, the test cases run, and the test functions that caught it (the
+    count in parentheses: how many of a parametrized function's cases failed)."""
+    lines = ["| mutation | file | test cases run | caught by (test functions) | which | minutes |",
              "|---|---|---|---|---|---|"]
     for m, ran, caught, seconds in rows:
-        names = ", ".join(f"`{_short(c)}`" for c in sorted(caught)) or "-"
-        lines.append(f"| {m.name} | `{m.file}` | {ran} | {len(caught)} | {names} | {seconds / 60:.1f} |")
+        funcs = caught_functions(caught)
+        names = ", ".join(f"`{f}`" + (f" ({n})" if n > 1 else "") for f, n in funcs.items()) or "-"
+        lines.append(f"| {m.name} | `{m.file}` | {ran} | {len(funcs)} | {names} | {seconds / 60:.1f} |")
     return "\n".join(lines)
 
 
@@ -222,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated mutation names (default: all)")
     parser.add_argument("--list", action="store_true", help="print the mutations and their tests; run nothing")
-    parser.add_argument("--min-caught", type=int, default=3, help="fewest catching tests accepted (default 3)")
+    parser.add_argument("--min-caught", type=int, default=3, help="fewest catching test functions accepted (default 3)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the unmutated run (then a test that fails anyway counts as catching)")
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers per run (default 0: none)")
@@ -275,13 +288,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seconds = time.time() - start
             caught = sorted(failed)  # the baseline (when run) passed every one of them
             rows.append((m, len(passed) + len(failed), caught, seconds))
-            print(f"{m.name}: {len(passed) + len(failed)} tests, caught by {len(caught)} "
-                  f"({seconds / 60:.1f} min)", flush=True)
+            print(f"{m.name}: {len(passed) + len(failed)} test cases, caught by {len(caught_functions(caught))} "
+                  f"test functions ({len(caught)} cases, {seconds / 60:.1f} min)", flush=True)
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
         print()
         print(table(rows))
-        weak = [m.name for m, _, caught, _ in rows if len(caught) < args.min_caught]
+        weak = [m.name for m, _, caught, _ in rows if len(caught_functions(caught)) < args.min_caught]
         if weak:
             print(f"\ncaught by fewer than {args.min_caught} tests: {', '.join(weak)}", file=sys.stderr)
             return 1

@@ -29,7 +29,7 @@ __all__ = [
     "ExpertWeightStack", "accumulates_into_main_grad", "active_scopes", "add_weight_gradient",
     "allocate_table", "backward_done", "casts_wrapped", "chunk_indices", "cumulative_splits", "current_key",
     "default_device", "dense_weight_casts", "graph_runner_class", "device_has_bf16_grouped_gemm", "device_has_grouped_gemm",
-    "grouped_gemm", "lifetime_slots", "linear_into_main_grad", "pending_backward", "record_operand_padding",
+    "grouped_gemm", "lifetime_slots", "linear_into_main_grad", "padded_storage", "pending_backward", "record_direct_expert_backwards", "record_operand_alignment", "record_operand_padding",
     "scale_sharing_groups", "scales_shared_over", "sequence_order", "set_grouped_gemm", "wrap_casts",
 ]
 
@@ -137,6 +137,25 @@ def record_operand_padding(patcher: Patcher) -> List[Tuple[int, ...]]:
     return copied
 
 
+def padded_storage(data: torch.Tensor) -> Optional[torch.Tensor]:
+    """The whole zero-padded aligned buffer that FP8 `data` (a view into it) lives in, or None for ordinary
+    dense storage."""
+    from . import gemm
+
+    return getattr(data, gemm._PADDED, None)
+
+
+def record_operand_alignment(patcher: Patcher) -> List[int]:
+    """Record, for every operand the FP8 GEMM hands to `torch._scaled_mm`, its address modulo 16 (0: aligned
+    as cuBLAS wants it, so no aligning copy was made); returns the list it appends to."""
+    from . import gemm
+
+    offsets: List[int] = []
+    real = gemm._aligned
+    patcher.setattr(gemm, "_aligned", lambda t: offsets.append(t.data_ptr() % 16) or real(t))
+    return offsets
+
+
 # ---- grouped GEMMs ------------------------------------------------------------------------------------------
 
 def device_has_grouped_gemm(device: torch.device) -> bool:
@@ -152,6 +171,17 @@ def device_has_bf16_grouped_gemm(device: torch.device) -> bool:
 def cumulative_splits(splits: List[int]) -> List[int]:
     """The experts' row ends: running sums of `splits`."""
     return list(_grouped_core.cumulative(splits))
+
+
+def record_direct_expert_backwards(patcher: Patcher) -> List[int]:
+    """Record each time the grouped path's backward takes the per-expert GEMMs directly (one entry per call);
+    returns the list it appends to."""
+    from .modules import _grouped_gemm
+
+    calls: List[int] = []
+    real = _grouped_gemm._direct_expert_backward
+    patcher.setattr(_grouped_gemm, "_direct_expert_backward", lambda *args: calls.append(1) or real(*args))
+    return calls
 
 
 def set_grouped_gemm(patcher: Patcher, enabled: Optional[bool] = None, *, fp8_device: Optional[bool] = None,

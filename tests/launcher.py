@@ -65,6 +65,8 @@ def launch(
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for pid in _descendants(proc.pid):  # torchrun's workers run in sessions of their own
+                _kill(pid)
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
             raise AssertionError(f"{script} with {nproc} ranks timed out after {timeout}s:\n{out[-20000:]}")
@@ -77,6 +79,22 @@ def launch(
         if missing:
             raise AssertionError(f"{script}: checks not reported as passed: {missing}\n{out[-20000:]}")
     return out
+
+
+def _descendants(pid: int) -> List[int]:
+    """`pid`'s child processes, recursively (Linux `/proc`; none found elsewhere)."""
+    try:
+        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+    return [d for c in children for d in [c, *_descendants(c)]]
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _missing_reports(report_dir: Path, nproc: int, checks: Iterable[str]) -> List[str]:

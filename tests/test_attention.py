@@ -79,10 +79,10 @@ def test_position_mask():
 def test_chunk_indices_follow_megatron_batch_split():
     from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: F401  (the split this mirrors)
 
-    from fp8_parallel.modules._context_parallel import _sequence_order, chunk_indices
+    from fp8_parallel.testing import chunk_indices, sequence_order
 
     assert [chunk_indices(4, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert _sequence_order(2) == [0, 2, 3, 1]  # chunk 0: rank 0 first; chunk 1: rank 1 first; ...
+    assert sequence_order(2) == [0, 2, 3, 1]  # chunk 0: rank 0 first; chunk 1: rank 1 first; ...
     with pytest.raises(ValueError, match="cp_rank=2"):
         chunk_indices(2, 2)
 

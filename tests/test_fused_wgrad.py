@@ -13,7 +13,7 @@ import torch
 
 import fp8_parallel as fp
 from fp8_parallel.modules import FP8State, fp8_linear
-from fp8_parallel.modules._main_grad import add_weight_gradient
+from fp8_parallel.testing import add_weight_gradient
 from te_testing import rel_error, seed_for
 
 RECIPES = {"hp": None, "delayed": fp.DelayedScaling(amax_history_len=4), "current": fp.Float8CurrentScaling()}
@@ -88,7 +88,7 @@ def test_fused_accumulation_protocol_and_errors(device):
     """Without megatron's attribute autograd gets no gradient (`.grad` stays None, as TransformerEngine); with
     it, the flag and a placeholder of the weight's shape; `zero_out_wgrad` gives zeros. A missing or misshapen
     `main_grad` is an error naming the parameter's shape, from the modules' check."""
-    from fp8_parallel.modules._main_grad import accumulates_into_main_grad
+    from fp8_parallel.testing import accumulates_into_main_grad
 
     seed = seed_for(f"fused_wgrad/protocol/{device}")
     gen = torch.Generator().manual_seed(seed)
@@ -142,7 +142,7 @@ def test_add_weight_gradient_on_cuda_matches_float64(in_dtype, main_dtype):
 def test_high_precision_fused_linear_adds_into_the_owners_main_grad():
     """FP8 off, a weight that stands for a parameter (an FP8 parameter's dequantized value): the gradient goes
     into the parameter's `main_grad` and its flag; autograd gets a placeholder shaped as the stand-in."""
-    from fp8_parallel.modules._main_grad import linear_into_main_grad
+    from fp8_parallel.testing import linear_into_main_grad
 
     seed = seed_for("fused_wgrad/owner")
     gen = torch.Generator().manual_seed(seed)

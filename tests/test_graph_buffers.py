@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import fp8_parallel as fp
-from fp8_parallel.graphs.runners import HeldOutputs, RunOptions, _GraphRunner, buffer_plan
+from fp8_parallel.graphs.runners import HeldOutputs, RunOptions, buffer_plan
 from fp8_parallel.pipeline import capture_order
+from fp8_parallel.testing import graph_runner_class
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp8_parallel.make_graphed_callables. CUDA is not available")
 
@@ -72,9 +73,9 @@ def test_defaults_and_names_are_transformer_engine_s():
                                   _clone_param_grads_on_return=True)
 
 
-def _runner(clone: bool, num_inputs: int = 1) -> _GraphRunner:
+def _runner(clone: bool, num_inputs: int = 1):
     options = RunOptions(fp8_enabled=False, recipe=None, flag=None, clone_param_grads=clone)
-    return _GraphRunner(lambda x: x, (), None, [True] * num_inputs, options)
+    return graph_runner_class()(lambda x: x, (), None, [True] * num_inputs, options)
 
 
 @pytest.mark.parametrize("clone", [True, False])

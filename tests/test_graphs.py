@@ -201,12 +201,12 @@ def test_megatron_schedule_drives_graphed_layers_tp2_pp2_vpp2():
 
 
 def test_static_buffers_are_shared_by_microbatches_not_in_flight_together():
-    from fp8_parallel.graphs.runners import _lifetime_slots
+    from fp8_parallel.testing import lifetime_slots
 
-    slot_of, count = _lifetime_slots(capture_order(8, 1, 0), 8)  # no pipeline: one microbatch at a time
+    slot_of, count = lifetime_slots(capture_order(8, 1, 0), 8)  # no pipeline: one microbatch at a time
     assert count == {0: 1} and set(slot_of.values()) == {0}
     order = capture_order(4, 2, 0, vpp_size=2)  # [1,1,2,2,1,-2,1,-2,2,-1,2,-1,-2,-2,-1,-1]
-    slot_of, count = _lifetime_slots(order, 4)
+    slot_of, count = lifetime_slots(order, 4)
     assert count == {0: 4, 1: 2}
     in_flight = {}
     fwd, bwd = {}, {}

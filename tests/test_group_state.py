@@ -45,13 +45,13 @@ def test_entries_die_with_their_group_and_a_new_group_starts_empty(world):
 
 
 def test_scale_sharing_answer_is_per_live_group(world):
-    from fp8_parallel.modules import _sequence_parallel as sp
+    from fp8_parallel.testing import scale_sharing_groups, scales_shared_over
 
     scope_group, sp_group = dist.new_group([0]), dist.new_group([0])
-    assert sp.scales_shared_over(scope_group, sp_group) is True
-    assert sp.scales_shared_over(None, sp_group) is False
+    assert scales_shared_over(scope_group, sp_group) is True
+    assert scales_shared_over(None, sp_group) is False
     dist.destroy_process_group(scope_group)
     dist.destroy_process_group(sp_group)
     del scope_group, sp_group
     gc.collect()
-    assert sp._SCALES_SHARED.groups() == 0  # both destroyed: nothing of them is left
+    assert scale_sharing_groups() == 0  # both destroyed: nothing of them is left

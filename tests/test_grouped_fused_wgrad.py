@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fp8_parallel as te
-from fp8_parallel.modules import _grouped_core, _grouped_gemm
+from fp8_parallel import testing
 from te_testing import rel_error as _rel, seed_for as _seed
 from test_grouped_gemm import IN, OUT, RECIPES, SPLITS, _emulated_grouped_mm
 
@@ -38,10 +38,10 @@ def _counting_grouped_gemms(path: str, device: str, monkeypatch) -> List[int]:
         real = torch._grouped_mm
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
         if device == "cpu":
-            monkeypatch.setattr(_grouped_core, "device_has_bf16_grouped_gemm", lambda d: True)
+            testing.set_grouped_gemm(monkeypatch, bf16_device=True)
     elif device == "cpu":
         monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
-        monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda d: True)
+        testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     else:
         real = torch._scaled_grouped_mm
         monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -49,7 +49,7 @@ def _counting_grouped_gemms(path: str, device: str, monkeypatch) -> List[int]:
 
 
 def _skip_without_grouped_gemm(device: str) -> None:
-    if device == "cuda" and not _grouped_core.device_has_grouped_gemm(torch.device("cuda")):
+    if device == "cuda" and not testing.device_has_grouped_gemm(torch.device("cuda")):
         pytest.skip("torch's grouped GEMMs do not serve the experts on this GPU (compute capability 9.0 / 10.0)")
 
 
@@ -70,7 +70,7 @@ def _experts(seed: int, device: str, fuse: bool, starts: List[torch.Tensor]) -> 
 def _steps(lin, path: str, batches, grouped: bool, fuse: bool, monkeypatch) -> Dict[str, List[torch.Tensor]]:
     """Three calls (cached weights for two microbatches, then a cast per call); after each the `main_grad`s as
     megatron's DDP hook leaves them (unfused: the gradient added into float32), outputs and input gradients."""
-    monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", grouped)
+    testing.set_grouped_gemm(monkeypatch, grouped)
     seen: Dict[str, List[torch.Tensor]] = {"y": [], "dx": [], "main_grad": []}
     for step, (x, dy) in enumerate(batches):
         xi = x.clone().requires_grad_()
@@ -103,8 +103,7 @@ def test_grouped_fused_accumulation_matches_references(path, device, monkeypatch
                 torch.randn(rows, OUT, generator=gen).to(device, torch.bfloat16)) for _ in range(3)]
     starts = [torch.randn(OUT, IN, generator=gen).to(device) for _ in SPLITS]
     calls = _counting_grouped_gemms(path, device, monkeypatch)
-    direct, real_direct = [], _grouped_gemm._direct_expert_backward
-    monkeypatch.setattr(_grouped_gemm, "_direct_expert_backward", lambda *a: direct.append(1) or real_direct(*a))
+    direct = testing.record_direct_expert_backwards(monkeypatch)
     fused = _steps(_experts(seed, device, True, starts), path, batches, True, True, monkeypatch)
     assert len(calls) == 3 * GROUPED_PER_STEP[path], f"{len(calls)} grouped GEMMs: not the grouped path (seed {seed})"
     assert len(direct) == (3 if path == "delayed-hybrid" else 0), f"direct backward ran {len(direct)} times"

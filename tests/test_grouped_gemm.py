@@ -18,7 +18,7 @@ import torch
 
 import fp8_parallel as te
 from fp8_parallel import recipe
-from fp8_parallel.modules import _grouped_core, _grouped_gemm
+from fp8_parallel import testing
 from te_testing import rel_error as _rel, seed_for as _seed
 
 IN, OUT = 64, 48
@@ -82,7 +82,7 @@ def _twins(seed: int, device: str):
 
 
 def _run(lin, x, dy, rname, grouped: bool, monkeypatch, is_first_microbatch=None):
-    monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", grouped)
+    testing.set_grouped_gemm(monkeypatch, grouped)
     x = x.clone().requires_grad_()
     with te.autocast(enabled=True, recipe=RECIPES[rname]):
         y = lin(x, SPLITS, is_first_microbatch=is_first_microbatch)
@@ -152,16 +152,11 @@ def _equal(a: torch.Tensor, b: torch.Tensor, what: str, where: str) -> None:
 def test_grouped_path_matches_per_expert_path_emulated(rname, monkeypatch):
     """CPU, the grouped GEMM emulated: the plumbing around it equals the per-expert path, and the experts'
     casts in shared buffers reach the per-expert backward GEMMs 16-byte aligned (no aligning copies)."""
-    import fp8_parallel.gemm as gemm
-
     calls: List[int] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
-    misaligned = []
-    real_aligned = gemm._aligned
-    monkeypatch.setattr(gemm, "_aligned", lambda t: misaligned.append(t.data_ptr() % 16) or real_aligned(t))
-    direct, real_direct = [], _grouped_gemm._direct_expert_backward
-    monkeypatch.setattr(_grouped_gemm, "_direct_expert_backward", lambda *a: direct.append(1) or real_direct(*a))
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
+    misaligned = testing.record_operand_alignment(monkeypatch)
+    direct = testing.record_direct_expert_backwards(monkeypatch)
     real_mm = torch._scaled_mm
 
     def checked_mm(a, b, *args, **kwargs):  # every GEMM operand and scale, the direct backward's included
@@ -183,11 +178,9 @@ def test_cached_expert_weights_live_in_one_stack(rname, monkeypatch):
     stacking per call; every expert's cached transpose stays current (a view sharing the stack's version
     counter would look stale), and a weight updated in place between microbatches is cast again into the
     stack with its new scale: grouped and per-expert paths agree at every call."""
-    from fp8_parallel.modules._grouped_gemm import ExpertWeightStack
-
     calls: List[int] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     fp8_stacks = []
     real_stack = torch.stack
     monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: fp8_stacks.append(ts[0].dtype in (
@@ -208,7 +201,7 @@ def test_cached_expert_weights_live_in_one_stack(rname, monkeypatch):
         ya, gxa = _run(grouped, x, dy, rname, True, monkeypatch, first)
         assert not any(fp8_stacks), f"the FP8 weights were stacked per call {where}"
         stack = grouped.fp8[0].expert_stack
-        assert isinstance(stack, ExpertWeightStack), where
+        assert isinstance(stack, testing.ExpertWeightStack), where
         for i, st in enumerate(grouped.fp8):
             assert st.weight_fp8 is stack.views[i], f"expert {i}'s cache is not the stack's view {where}"
             assert st.weight_fp8.has_current_transpose(), f"expert {i}'s cached transpose looks stale {where}"
@@ -229,7 +222,7 @@ def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
     grouped one and its output equals a grad call's."""
     calls: List[int] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     seed = _seed("grouped-skipped")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(SPLITS), IN, generator=gen).to(torch.bfloat16)
@@ -268,7 +261,7 @@ def test_grouped_path_is_skipped_where_it_cannot_serve(monkeypatch):
 @pytest.mark.parametrize("rname", sorted(RECIPES))
 def test_gpu_grouped_gemm_matches_per_expert_gemms(rname, monkeypatch):
     """The real grouped GEMM on the GPU against the per-expert GEMMs and float64."""
-    if not _grouped_core.device_has_grouped_gemm(torch.device("cuda")):
+    if not testing.device_has_grouped_gemm(torch.device("cuda")):
         pytest.skip("torch._scaled_grouped_mm does not run on this GPU (needs compute capability 9.0 or 10.0)")
     calls: List[int] = []
     real = torch._scaled_grouped_mm
@@ -320,7 +313,7 @@ def test_grouped_path_other_param_dtypes_emulated(pdt, monkeypatch):
     """CPU, the grouped GEMM emulated: float32 and float16 expert weights (see `_param_dtype_case`)."""
     calls: List[int] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     _param_dtype_case(pdt, "cpu", monkeypatch)
     assert len(calls) == 4, f"{len(calls)} grouped GEMMs (one forward per call)"
 
@@ -329,7 +322,7 @@ def test_grouped_path_other_param_dtypes_emulated(pdt, monkeypatch):
 @pytest.mark.parametrize("pdt", [torch.float32, torch.float16], ids=["float32", "float16"])
 def test_gpu_grouped_path_other_param_dtypes(pdt, monkeypatch):
     """The real grouped GEMM with float32 and float16 expert weights (see `_param_dtype_case`)."""
-    if not _grouped_core.device_has_grouped_gemm(torch.device("cuda")):
+    if not testing.device_has_grouped_gemm(torch.device("cuda")):
         pytest.skip("torch._scaled_grouped_mm does not run on this GPU (needs compute capability 9.0 or 10.0)")
     _param_dtype_case(pdt, "cuda", monkeypatch)
 
@@ -372,7 +365,7 @@ def test_gpu_fused_row_block_cast_equals_per_block_casts(fp8_dtype):
                 for s, r in zip(slots, ref_slots):
                     assert torch.equal(s, r), f"amax slots differ {where}"
             if rows > 3:
-                nan_block = next(e for e, end in enumerate(_grouped_core.cumulative(splits)) if end > 3)
+                nan_block = next(e for e, end in enumerate(testing.cumulative_splits(splits)) if end > 3)
                 assert slots[nan_block][0].item() == float("inf"), f"a NaN's amax is recorded as +inf {where}"
 
 
@@ -382,7 +375,7 @@ def test_e4m3_backward_is_grouped_only_when_every_weight_takes_a_gradient(monkey
     gradients of both runs agree within the grouped GEMM's rounding."""
     calls: List[int] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm(calls), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     seed = _seed("grouped-e4m3-frozen")
     gen = torch.Generator().manual_seed(seed)
     trained, frozen = _twins(seed, "cpu")  # the same weights and fresh FP8 states: the same scales
@@ -405,9 +398,8 @@ def test_direct_hybrid_backward_frozen_expert_and_constant_input(monkeypatch):
     gradient for it) and with an input that needs no gradient (weight gradients only); both equal the
     per-expert path bit for bit."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm([]), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda device: True)
-    direct, real_direct = [], _grouped_gemm._direct_expert_backward
-    monkeypatch.setattr(_grouped_gemm, "_direct_expert_backward", lambda *a: direct.append(1) or real_direct(*a))
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
+    direct = testing.record_direct_expert_backwards(monkeypatch)
     seed = _seed("direct-hybrid-frozen")
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(sum(SPLITS), IN, generator=gen) * 2).to(torch.bfloat16)
@@ -417,7 +409,7 @@ def test_direct_hybrid_backward_frozen_expert_and_constant_input(monkeypatch):
         results = []
         for lin, use_grouped in ((grouped, True), (per_expert, False)):
             lin.weight2.requires_grad_(False)  # an expert with rows
-            monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", use_grouped)
+            testing.set_grouped_gemm(monkeypatch, use_grouped)
             xi = x.clone().requires_grad_(input_grad)
             with te.autocast(enabled=True, recipe=RECIPES["delayed-hybrid"]):
                 y = lin(xi, SPLITS, is_first_microbatch=True)
@@ -447,7 +439,7 @@ def _bf16_grouped_cases(device: str, monkeypatch) -> None:
     grouped, per_expert = _twins(seed, device)
     results = []
     for lin, use_grouped in ((grouped, True), (per_expert, False)):
-        monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", use_grouped)
+        testing.set_grouped_gemm(monkeypatch, use_grouped)
         before = len(grouped_calls)
         xi = x.clone().requires_grad_()
         with te.autocast(enabled=False):
@@ -479,9 +471,9 @@ def _bf16_grouped_cases(device: str, monkeypatch) -> None:
             assert _rel(a, b) < 2e-2, f"{name} {_rel(a, b):.2e} from float64 {where}"
     # where it cannot serve: FP8 on, biases, float32 input, no rows, delayed wgrad, a checkpointed region, and
     # TransformerEngine's module not asking for the grouped GEMM
-    monkeypatch.setattr(_grouped_core, "GROUPED_GEMM", True)
+    testing.set_grouped_gemm(monkeypatch, True)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_grouped_mm([]), raising=False)
-    monkeypatch.setattr(_grouped_core, "device_has_grouped_gemm", lambda d: True)
+    testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     before = len(grouped_calls)
     with te.autocast(enabled=True, recipe=RECIPES["delayed-hybrid"]):
         grouped(x, SPLITS)
@@ -498,13 +490,13 @@ def _bf16_grouped_cases(device: str, monkeypatch) -> None:
 
 def test_bf16_grouped_gemm_without_fp8(monkeypatch):
     """CPU: torch's bfloat16 grouped GEMM (real, on CPU) serves the experts without FP8 where the device allows."""
-    monkeypatch.setattr(_grouped_core, "device_has_bf16_grouped_gemm", lambda device: True)
+    testing.set_grouped_gemm(monkeypatch, bf16_device=True)
     _bf16_grouped_cases("cpu", monkeypatch)
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_grouped_gemm_without_fp8(monkeypatch):
     """The bfloat16 grouped GEMM on the GPU against the per-expert GEMMs and float64."""
-    if not _grouped_core.device_has_bf16_grouped_gemm(torch.device("cuda")):
+    if not testing.device_has_bf16_grouped_gemm(torch.device("cuda")):
         pytest.skip("torch._grouped_mm does not serve the experts on this GPU (needs compute capability 9.0 or 10.0)")
     _bf16_grouped_cases("cuda", monkeypatch)

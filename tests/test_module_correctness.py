@@ -32,8 +32,7 @@ def test_unaligned_weight_is_padded_once_when_cast(recipe, first, device, monkey
     padded cast takes the torch path and the dense one the fused kernel, which must agree bit for bit)."""
     import os
 
-    import fp8_parallel.gemm as gemm
-    import fp8_parallel.modules._core as core
+    from fp8_parallel import testing
     from fp8_parallel.modules import FP8State, fp8_linear
 
     seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -42,9 +41,7 @@ def test_unaligned_weight_is_padded_once_when_cast(recipe, first, device, monkey
     w, b = (torch.randn(25, 30, generator=gen) / 30**0.5).to(device), torch.randn(25, generator=gen).to(device)
     batches = [((torch.randn(21, 30, generator=gen) * 2).to(device), torch.randn(21, 25, generator=gen).to(device))
                for _ in range(3)]
-    copied = []  # operand shapes padded by copy
-    real_pad_cols = gemm._pad_cols
-    monkeypatch.setattr(gemm, "_pad_cols", lambda d, c: copied.append(tuple(d.shape)) or real_pad_cols(d, c))
+    copied = testing.record_operand_padding(monkeypatch)  # operand shapes padded by copy
 
     def run():
         st, wp, bp = FP8State("t", device=device), w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -60,7 +57,7 @@ def test_unaligned_weight_is_padded_once_when_cast(recipe, first, device, monkey
     padded, st = run()
     if first is not None:  # the cache: data and transpose in zero-padded storage, padding still zero
         for view in (st.weight_fp8._data, st.weight_fp8.transpose_2d()._data):
-            base = getattr(view, gemm._PADDED)
+            base = testing.padded_storage(view)
             assert base.shape == (32, 32) and view.shape in ((25, 30), (30, 25))
             rest = base.view(torch.uint8).clone()
             rest[: view.shape[0], : view.shape[1]] = 0
@@ -69,10 +66,7 @@ def test_unaligned_weight_is_padded_once_when_cast(recipe, first, device, monkey
     assert copied == [(21, 30), (21, 25), (25, 21), (30, 21)] * 3, copied
     copied.clear()
     # the dense reference: every weight cast (and backward re-cast of its transpose) into ordinary storage
-    monkeypatch.setattr(core, "_weight_out", lambda weight, dtype, reuse, with_transpose: reuse)
-    real_transposed = core.quantize_transposed
-    monkeypatch.setattr(core, "quantize_transposed",
-                        lambda x, scale, dtype, padded=False: real_transposed(x, scale, dtype))
+    testing.dense_weight_casts(monkeypatch)
     dense, _ = run()
     assert (25, 30) in copied and (30, 25) in copied, copied  # the dense weight was padded by the GEMMs
     for i, (p, d) in enumerate(zip(padded, dense)):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
 
 from launcher import REPO, _free_port
 
@@ -262,8 +263,10 @@ def test_data_resumes_at_consumed_samples():
 
 def test_tp2_run_json_log_and_plot(tmp_path):
     log = tmp_path / "run.jsonl"
+    # most_recent and margin 1: each logged scale follows from the logged newest amax alone (checked below)
     out = _torchrun(tmp_path, 2, TINY + FP8 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                "--recompute-granularity", "full", "--train-iters", "8",
+                                               "--fp8-amax-compute-algo", "most_recent", "--fp8-margin", "1",
                                                "--log-json", str(log), "--tensorboard-dir", str(tmp_path / "tb")])
     rows = _rows(log)
     assert [r["iteration"] for r in rows] == list(range(1, 9)), out[-3000:]
@@ -273,9 +276,22 @@ def test_tp2_run_json_log_and_plot(tmp_path):
             assert r[key] is not None, (key, r)
         assert r["fp8_nonfinite_amax"] == 0 and r["fp8_scopes_reduced"] == r["fp8_scopes_opened"] == 2 * 4, r
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-2 and rows[-1]["lr"] < rows[1]["lr"], "warm-up, then decay"
-    assert rows[-1]["fp8_scale_min"] != 1.0 or rows[-1]["fp8_scale_max"] != 1.0, "FP8 scales never updated"
     layers = rows[-1]["fp8_layers"]
     assert any(k.startswith("layer01/") for k in layers) and any(k.startswith("layer02/") for k in layers), layers
+    # the recipe's rule on the recorded amaxes, exactly: scale = fp8_max / amax / 2**margin in float32 (hybrid:
+    # E4M3's 448 forward, E5M2's 57344 backward); a tensor with amax 0 never ran and keeps its scale
+    checked = 0
+    for name, state in layers.items():
+        assert name.endswith((".fwd", ".bwd")), name
+        fp8_max = 448.0 if name.endswith(".fwd") else 57344.0
+        for amax, scale in zip(state["amax"], state["scale"]):
+            if amax > 0:
+                want = (torch.tensor(fp8_max) / torch.tensor(amax, dtype=torch.float32) / 2.0).item()
+                assert scale == want, (name, amax, scale, want)
+                checked += 1
+    assert checked >= 3 * len(layers) // 2, (checked, layers)  # forward input and weight, backward grad
+    scales = [s for state in layers.values() for s in state["scale"]]
+    assert rows[-1]["fp8_scale_min"] <= min(scales) and rows[-1]["fp8_scale_max"] >= max(scales), rows[-1]
     _assert_falls(rows, 0.8)
     assert "iteration      2 | loss" in out and "scopes reduced" in out
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"

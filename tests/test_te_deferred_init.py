@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp8_parallel as te
-from fp8_parallel.modules._deferred_init import default_device
+from fp8_parallel.testing import default_device
 from te_testing import seed_for
 
 H = 64

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import fp8_parallel as te
-import fp8_parallel.modules._core as core
-from fp8_parallel import recipe
+from fp8_parallel import recipe, testing
 from fp8_parallel.scopes import current_scope
 from te_testing import seed_for as _seed, rel_error as _rel
 
@@ -195,8 +194,7 @@ def test_first_microbatch_caches_weight_casts(rname, monkeypatch):
     lin = _grouped(gen)
     weight_ids = {id(getattr(lin, f"weight{i}")) for i in range(lin.num_gemms)}
     casts = []
-    real_cast = core._cast
-    monkeypatch.setattr(core, "_cast", lambda t, *a, **k: casts.append(id(t)) or real_cast(t, *a, **k))
+    testing.wrap_casts(monkeypatch, lambda cast, t, *a, **k: casts.append(id(t)) or cast(t, *a, **k))
 
     def weight_casts():
         n = sum(c in weight_ids for c in casts)

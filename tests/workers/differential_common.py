@@ -79,21 +79,19 @@ def weight_scale_inv_off(factor: float) -> Iterator[None]:
     """A deliberate bug: every FP8 weight cast carries `scale_inv * factor` (its dequantized value is off by
     `factor`), as a scale bookkeeping error would. The bug is planted in the Python path's cast, so the compiled
     host path (`fp8_parallel.native`, which casts in C++) is off meanwhile."""
-    import fp8_parallel.modules._core as core
     from fp8_parallel import native
+    from fp8_parallel.testing import casts_wrapped
 
-    original = core._cast
     previous = native.use(None)
 
-    def buggy(x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noop_flag=None):
-        q = original(x, recipe, scale, slot, fp8_dtype, out, with_transpose, noop_flag)
+    def buggy(cast, x, recipe, scale, slot, fp8_dtype, out=None, with_transpose=False, noop_flag=None):
+        q = cast(x, recipe, scale, slot, fp8_dtype, out, with_transpose, noop_flag)
         if with_transpose or (isinstance(x, torch.nn.Parameter)):
             q._scale_inv = q._scale_inv * factor
         return q
 
-    core._cast = buggy
     try:
-        yield
+        with casts_wrapped(buggy):
+            yield
     finally:
-        core._cast = original
         native.use(previous)

@@ -246,16 +246,13 @@ def check_weight_caching():
     recipe = fp.DelayedScaling(amax_history_len=4)
     gen = torch.Generator().manual_seed(test_seed())
     casts = []
-    import fp8_parallel.modules._core as core
+    from fp8_parallel.testing import casts_wrapped
 
-    original = core._cast
-
-    def counting_cast(x, recipe, scale, slot, dtype, out=None, with_transpose=False):
+    def counting_cast(cast, x, *args, **kwargs):
         casts.append(tuple(x.shape))
-        return original(x, recipe, scale, slot, dtype, out, with_transpose)
+        return cast(x, *args, **kwargs)
 
-    core._cast = counting_cast
-    try:
+    with casts_wrapped(counting_cast):
         opt = torch.optim.SGD(list(fc1.parameters()) + list(fc2.parameters()), lr=0.1)
         for step in range(2):
             for mb in range(3):
@@ -276,8 +273,6 @@ def check_weight_caching():
         _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=False)
         weight_casts = [c for c in casts if c in (tuple(fc1.weight.shape), tuple(fc2.weight.shape))]
         assert len(weight_casts) == 2, casts
-    finally:
-        core._cast = original
     # the cached weight carries the scale_inv it was cast with, and its transpose is never stale
     w8 = fc1.fp8.weight_fp8
     _run_tp(fc1, fc2, torch.randn(8, 2, D, generator=gen), False, recipe, is_first=True)

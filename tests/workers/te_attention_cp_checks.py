@@ -16,7 +16,7 @@ import torch.distributed as dist
 from rank_checks import run_checks, test_seed
 
 import fp8_parallel as te
-from fp8_parallel.modules._context_parallel import chunk_indices
+from fp8_parallel.testing import chunk_indices
 
 HEADS, GROUPS, DIM, SEQ, BATCH = 4, 2, 8, 12, 2
 TOL = 1e-12

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 
 from launcher import REPO, _free_port
+from seeds import session_seed
 from launch import checkpoint_files as cf
 
 JOB = REPO / "launch" / "pretrain_gpt.py"
@@ -47,8 +48,8 @@ LAYOUTS = {
 
 
 def _seed() -> int:
-    """Random per test; FP8P_TEST_SEED=<seed> reproduces one."""
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    """The run's seed (`--seed N` or FP8P_TEST_SEED=N reproduces one)."""
+    seed = session_seed()
     print(f"seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
     return seed
 

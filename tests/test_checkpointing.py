@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import REPO, WORKERS, _free_port, launch
+from launcher import WORKERS, _free_port, child_env, launch
 from launch import checkpoint_files as cf
 
 TIMEOUT = 1800.0  # the machine is shared and loaded: generous, but a hang still fails
@@ -144,9 +144,7 @@ STAGES = ("tensors", "metadata", "manifest", "publish")
 
 def _kill_save_at(root: Path, stage: str) -> None:
     """Run the save worker in `root` and SIGKILL every rank when the second save reaches `stage`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-               FP8P_CHECKPOINT_TEST_PAUSE=f"{stage}:600")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = child_env(FP8P_CHECKPOINT_TEST_PAUSE=f"{stage}:600")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=1",
            f"--master_port={_free_port()}", str(WORKERS / "checkpoint_checks.py"), "save", str(root)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from launcher import REPO, _free_port
+from launcher import REPO, _free_port, child_env
 from seeds import session_seed
 from launch import checkpoint_files as cf
 
@@ -55,10 +55,7 @@ def _seed() -> int:
 
 
 def _env(tmp_path: Path) -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-               FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return child_env(FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
 
 
 def _start(tmp_path: Path, nproc: int, flags: List[str], restarts: int = 0) -> subprocess.Popen:

@@ -74,11 +74,11 @@ def test_cpu_launcher_names_a_checkout_without_pretrain_gpt(tmp_path):
     import subprocess
     import sys
 
-    from launcher import REPO
+    from launcher import REPO, child_env
 
     proc = subprocess.run(
         [sys.executable, str(REPO / "launch" / "megatron_lm_cpu.py"), "--megatron-lm", str(tmp_path), "--",
          "--num-layers", "2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=child_env(),
     )
     assert proc.returncode == 2 and f"--megatron-lm {tmp_path}: no pretrain_gpt.py there" in proc.stderr, proc.stderr

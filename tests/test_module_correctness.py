@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fp8_parallel as fp
-from launcher import launch
+from launcher import child_env, launch
 from seeds import session_seed
 
 
@@ -128,7 +128,7 @@ def test_import_grouped_does_not_import_the_megatron_integration():
     code = ("import sys; import fp8_parallel.modules.grouped; "
             "assert 'fp8_parallel.megatron' not in sys.modules, 'grouped imported fp8_parallel.megatron'; "
             "import fp8_parallel.megatron as m, fp8_parallel.expert_scope as e; assert m.expert_scope is e.expert_scope")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=child_env())
 
 
 def test_grouped_linear_follows_megatron_first_microbatch_protocol():

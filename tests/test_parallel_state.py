@@ -68,19 +68,15 @@ def test_unguarded_script_fails_instead_of_hanging(tmp_path):
     """megatron's checkpoint writer starts a helper process with the spawn method, which re-runs a main script
     without an `if __name__ == "__main__":` guard; its `initialize` joined the rank's rendezvous and both hung
     (seen: 18 minutes). It now refuses in the helper, naming the guard, and the job exits within seconds."""
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    from launcher import _free_port
+    from launcher import _free_port, child_env
 
-    repo = Path(__file__).resolve().parents[1]
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT)
     (tmp_path / "ckpt").mkdir()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(script), str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

@@ -4,7 +4,6 @@ rendezvous, and the embedded default run end to end."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Dict, List
 
 import pytest
 
-from launcher import REPO, _free_port
+from launcher import REPO, _free_port, child_env
 
 ENTRY = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -22,11 +21,7 @@ FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4"]
 
 
 def _env(tmp_path: Path) -> Dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-                "FP8P_DATA_CACHE": str(tmp_path.parent / "fp8p-data-cache")})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return child_env(FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
 
 
 def _torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900, expect_ok: bool = True,
@@ -367,9 +362,7 @@ def test_default_job_end_to_end(tmp_path):
 # -- GPUs (skipped without CUDA) ------------------------------------------------------------------------------
 
 def _gpu_torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900) -> str:
-    env = _env(tmp_path)
-    env.pop("CUDA_VISIBLE_DEVICES")
-    env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    env = child_env(gpus=True, FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
            f"--master_port={_free_port()}", str(ENTRY), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)

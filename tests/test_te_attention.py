@@ -11,7 +11,6 @@ FP8P_TEST_SEED=<seed> reproduces one.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ import torch
 
 import fp8_parallel as te
 from fp8_parallel import recipe
-from launcher import launch
+from launcher import child_env, launch
 from te_testing import seed_for as _seed, rel_error as _rel, CpuTracker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -516,7 +515,7 @@ def test_names_exported_without_megatron():
         assert position_mask is moved
         print("NAMES-OK")
     """)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0 and "NAMES-OK" in res.stdout, res.stdout + res.stderr
 

@@ -345,9 +345,10 @@ def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     assert [r["iteration"] for r in _rows(log)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_default_job_end_to_end(tmp_path):
     """The README's first command: no flags, 4 ranks, MoE GPT on TP2 x PP2 x EP2 with FP8; loss falls and a
-    checkpoint is written."""
+    checkpoint is written. Slow (40 iterations, over a minute on 2 cores): run with `-m slow` (nightly)."""
     out = _torchrun(tmp_path, 4, [], timeout=1500)
     assert "no flags: the embedded default run" in out
     assert "tp 2 pp 2 vpp None cp 1 dp 1 ep 2 etp 1" in out and "experts 4; fp8 hybrid" in out, out[-5000:]

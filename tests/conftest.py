@@ -46,6 +46,9 @@ def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:  # the controller (or a run without xdist): choose the seed, before workers start
         config.fp8p_test_seed = _choose_seed(config)
+        workers = getattr(config.option, "numprocesses", None)
+        if isinstance(workers, int) and workers > 1:  # the workers share the cores: torch's threads too
+            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     else:  # an xdist worker: the controller's seed
         config.fp8p_test_seed = int(workerinput["fp8p_test_seed"])
     # read by seeds.session_seed here, in xdist workers (started after this) and in every subprocess

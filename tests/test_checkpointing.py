@@ -17,6 +17,8 @@ import pytest
 from launcher import WORKERS, _free_port, child_env, launch
 from launch import checkpoint_files as cf
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 TIMEOUT = 1800.0  # the machine is shared and loaded: generous, but a hang still fails
 
 
@@ -93,6 +95,7 @@ def test_pickles_are_checked_before_loading(tmp_path):
         cf.check_pickles(tmp_path)
 
 
+@HEAVY
 def test_dense_resume_reshard_interchange_bad_inputs(tmp_path):
     checks = ["ckpt_exact_resume_tp2_pp2_fp8", "ckpt_reshard_tp2pp2_to_tp1pp2_and_tp2pp1",
               "ckpt_interchange_fp8_nofp8_localspec", "ckpt_bad_inputs_named"]
@@ -100,6 +103,7 @@ def test_dense_resume_reshard_interchange_bad_inputs(tmp_path):
     assert "FP8 state starts fresh" in out and "ignores it" in out
 
 
+@HEAVY
 def test_moe_resume_and_ep_reshard(tmp_path):
     """TP2 x PP2 x EP2 MoE with FP8: bitwise exact resume; EP2 -> EP1 -> EP2 reshards (losses within FP8
     tolerance of the run in the saved layout); megatron's chained dense + expert optimizers into one."""
@@ -172,6 +176,7 @@ def _kill_save_at(root: Path, stage: str) -> None:
     assert cf.read_latest(root) == "iter_0000001", stage
 
 
+@HEAVY
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     """A SIGKILL at each stage of a save (tensors written, metadata, manifest, publishing): the previous
     checkpoint stays `latest` and loads exactly, and the next save over the leftovers completes. Every stage

@@ -22,6 +22,8 @@ from launcher import REPO, _free_port, child_env
 from seeds import session_seed
 from launch import checkpoint_files as cf
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 JOB = REPO / "launch" / "pretrain_gpt.py"
 TIMEOUT = 900.0  # per launch; a launch takes ~20-60 s on 2 shared cores, a hang still fails
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -148,6 +150,7 @@ def _same_checkpoint(want_dir: Path, got_dir: Path) -> int:
     return len(want)
 
 
+@HEAVY
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_job_exact_resume_bitwise(tmp_path, layout):
     """Train 10; separately train 5, save and exit (--exit-interval 5), then --load to 10: the losses after the
@@ -219,6 +222,7 @@ def _worker_ranks(agent_pid: int) -> Dict[int, int]:
     return out
 
 
+@HEAVY
 def test_job_restarts_after_a_rank_is_killed(tmp_path):
     """SIGKILL one rank mid-training under `torchrun --max-restarts=1` with --load equal to --save: torchrun
     restarts the job, which finds its latest complete checkpoint by itself, resumes there and finishes the

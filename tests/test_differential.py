@@ -22,6 +22,8 @@ from differential_common import HP_TOL, assert_within, errors, fails_within, wei
 from launcher import launch
 from seeds import session_seed
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 RECIPES = {"delayed": lambda: fp.DelayedScaling(amax_history_len=4), "current": lambda: fp.CurrentScaling()}
 SIZES = {"aligned": (64, 128, 32), "unaligned": (30, 50, 21)}  # in, out, tokens
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -218,6 +220,7 @@ LAYER_CHECKS = ["grouped_empty_experts_delayed", "grouped_empty_experts_current"
                 "block_torch_checkpoint", "block_frozen_and_no_grad"]
 
 
+@HEAVY
 def test_tensor_parallel_linears_tp1_tp2_tp4():
     from differential_checks import tp_check_names
 

@@ -15,6 +15,8 @@ from launcher import launch
 from seeds import session_seed
 from order_driver import fp8_state, run_in_order
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 pytestmark = pytest.mark.filterwarnings("ignore:fp8_parallel.make_graphed_callables. CUDA is not available")
 
 D = 32
@@ -195,6 +197,7 @@ def test_megatron_layer_stack_in_pipeline_order_matches_eager():
         "graphed_stack_matches_eager", "graphed_stack_cached_weights_matches_eager"])
 
 
+@HEAVY
 def test_megatron_schedule_drives_graphed_layers_tp2_pp2_vpp2():
     """megatron's interleaved schedule with the forward-step adapter matches the plain model exactly."""
     launch("graph_checks.py", 4, ["2", "2", "2"], timeout=1200, expect_checks=[

@@ -8,6 +8,8 @@ import pytest
 
 from launcher import launch
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 
 def test_spec_names_resolve_as_megatron_lm_resolves_them():
     from megatron.core.transformer.spec_utils import ModuleSpec, import_module
@@ -48,6 +50,7 @@ def test_only_plain_transformer_blocks_are_adopted():
         adopt_block(block)
 
 
+@HEAVY
 def test_megatron_lm_spec_path_tp2_pp2_vpp2():
     launch("megatron_lm_checks.py", 4, timeout=900, expect_checks=[
         "spec_by_name_builds_every_stage", "one_amax_reduction_per_block_pass",
@@ -62,6 +65,7 @@ def test_gpt_block_spec_full_recompute_tp1_tp2():
            expect_checks=["full_recompute_tp1", "full_recompute_tp2"])
 
 
+@HEAVY
 def test_megatron_lm_moe_expert_amax_domain_ep2():
     """Megatron-LM-style start-up (megatron's groups only) with EP2 on 4 gloo ranks: MoE models from our block
     specs reduce expert amaxes over the expert amax domain and dense ones over the dense group, with no set-up

@@ -6,6 +6,8 @@ import fp8_parallel as fp
 from launcher import launch
 from seeds import session_seed
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 
 def test_tp2_modules_match_single_rank_cache_and_state_dict():
     launch("module_checks.py", 2, ["mlp"], timeout=300, expect_checks=[
@@ -13,11 +15,13 @@ def test_tp2_modules_match_single_rank_cache_and_state_dict():
         "weight_caching", "state_dict_tp2_to_tp1", "fused_wgrad_accumulation_under_ddp"])
 
 
+@HEAVY
 def test_megatron_gpt_dense_and_moe_fp8_under_megatron_schedule():
     launch("module_checks.py", 8, ["gpt"], timeout=500, expect_checks=[
         "gpt_dense_tp2_pp2_fp8", "gpt_moe_tp2_pp2_ep2_fp8", "gpt_moe_grouped_tp2_pp2_ep2_fp8"])
 
 
+@HEAVY
 def test_ep2_moe_matches_unsharded_experts():
     launch("module_checks.py", 4, ["ep"], timeout=300, expect_checks=[
         "ep2_moe_sequential_matches_unsharded", "ep2_moe_grouped_matches_unsharded"])

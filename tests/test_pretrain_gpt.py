@@ -13,6 +13,8 @@ import pytest
 
 from launcher import REPO, _free_port, child_env
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 ENTRY = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--min-lr", "1e-3",
@@ -196,6 +198,7 @@ def test_invalid_sizes_are_named(argv, world, needle):
     assert needle in str(err.value), err.value
 
 
+@HEAVY
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-model-parallel-size", "3"], "world size 4 is not divisible"),
     (["--data-path", "/nonexistent/corpus_text_document"], "no megatron indexed dataset at /nonexistent/corpus"),
@@ -317,6 +320,7 @@ def test_moe_fp8_run_is_deterministic(tmp_path):
     assert all(r["fp8_nonfinite_amax"] == 0 for r in a)
 
 
+@HEAVY
 def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     """Two torchrun agents (2 ranks each) on 127.0.0.1 form one 4-rank job (TP2 x PP2)."""
     port = _free_port()
@@ -345,6 +349,7 @@ def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     assert [r["iteration"] for r in _rows(log)] == [1, 2, 3]
 
 
+@HEAVY
 @pytest.mark.slow
 def test_default_job_end_to_end(tmp_path):
     """The README's first command: no flags, 4 ranks, MoE GPT on TP2 x PP2 x EP2 with FP8; loss falls and a

@@ -4,9 +4,12 @@ import pytest
 from parallel_state import ParallelLayoutError, ParallelSizes
 from launcher import launch
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 CHECKS = ["bad_sizes", "sizes", "getters", "amax_domains", "max_all_reduce", "schedule_matches_single_process"]
 
 
+@HEAVY
 @pytest.mark.parametrize(
     "nproc,tp,pp,vpp,ep,cp",
     [(8, 2, 2, 0, 2, 1), (4, 2, 2, 2, 1, 1), (8, 2, 2, 0, 1, 2)],
@@ -41,6 +44,7 @@ def test_derived_sizes():
     assert (s.dp, s.expert_dp, s.expert_tp) == (2, 2, 1)
 
 
+@HEAVY
 def test_megatron_gpt_dense_and_moe_train_on_cpu():
     launch(
         "gpt_cpu_checks.py", 4, expect_checks=["gpt_dense_trains_on_cpu", "gpt_moe_ep2_trains_on_cpu"], timeout=400

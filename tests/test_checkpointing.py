@@ -169,7 +169,9 @@ def _kill_save_at(root: Path, stage: str) -> None:
         if not killed:
             _kill_tree(proc.pid)
         proc.wait()
-    time.sleep(2)
+    settle = time.time() + 10  # until the kernel has ended them all (it was a fixed 2 s sleep)
+    while time.time() < settle and [v for v in victims if _alive(v)]:
+        time.sleep(0.1)
     assert killed, f"the save never reached stage {stage}:\n" + "".join(lines[-200:])
     assert len(victims) > 4 and not [v for v in victims if _alive(v)], f"a rank survived the kill at {stage}"
     assert (root / "iter_0000001" / cf.MANIFEST).is_file(), stage

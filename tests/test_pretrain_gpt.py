@@ -220,23 +220,33 @@ def test_preprocess_text_and_jsonl(tmp_path):
     text.write_text("first doc line one\nline two\n\nsecond doc \u00e9\n\n\n")
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text(json.dumps({"text": "alpha"}) + "\n" + json.dumps({"text": "beta gamma"}) + "\n")
-    for src, docs, extra in ((text, ["first doc line one\nline two", "second doc \u00e9"], []),
-                             (jsonl, ["alpha", "beta gamma"], [])):
-        prefix = tmp_path / f"out_{src.suffix[1:]}"
-        proc = subprocess.run([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(src),
-                               "--output-prefix", str(prefix), *extra], capture_output=True, text=True, timeout=300,
-                              env=_env(tmp_path))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        ds = IndexedDataset(str(prefix))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text key"}\n')
+
+    def start(src: Path, prefix: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(src),
+                                 "--output-prefix", str(prefix)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=_env(tmp_path))
+
+    # the three conversions at once (each is mostly the interpreter's start-up)
+    cases = [(text, ["first doc line one\nline two", "second doc \u00e9"]), (jsonl, ["alpha", "beta gamma"])]
+    procs = [start(src, tmp_path / f"out_{src.suffix[1:]}") for src, _ in cases] + [start(bad, tmp_path / "bad")]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    for (src, docs), (rc, out, err) in zip(cases, results):
+        assert rc == 0, out + err
+        ds = IndexedDataset(str(tmp_path / f"out_{src.suffix[1:]}"))
         assert len(ds) == len(docs)
         for i, doc in enumerate(docs):
             assert ds[i].tolist() == list(doc.encode("utf-8")) + [256], (i, ds[i])
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"body": "no text key"}\n')
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(bad),
-                           "--output-prefix", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300,
-                          env=_env(tmp_path))
-    assert proc.returncode == 2 and "bad.jsonl:2" in proc.stderr, proc.stderr
+    rc, _, err = results[2]
+    assert rc == 2 and "bad.jsonl:2" in err, err
     assert not (tmp_path / "bad.idx").exists()
 
 

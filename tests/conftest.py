@@ -66,9 +66,19 @@ def pytest_xdist_auto_num_workers(config):
     return min(os.cpu_count() or 1, 8)
 
 
-def pytest_report_header(config):
+def _seed_line(config) -> str:
     seed = config.fp8p_test_seed
     return f"fp8_parallel test seed: {seed} (reproduce with --seed {seed} or {seeds.ENV_VAR}={seed})"
+
+
+def pytest_report_header(config):
+    return _seed_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The seed again at the end, where a failure is read; `-q` leaves the header out, so it is the only one."""
+    if getattr(config, "workerinput", None) is None:
+        terminalreporter.write_line(_seed_line(config))
 
 
 def pytest_collection_modifyitems(config, items):

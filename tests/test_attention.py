@@ -101,8 +101,8 @@ def test_spec_uses_sdpa_attention_by_default():
 
 
 def test_megatron_attention_and_context_parallel():
-    """The run's seed (`--seed N` or FP8P_TEST_SEED=N reproduces one). The FP8 CP2-vs-CP1 check once compared two FP8
-    runs at float32 accuracy, which an FP8 rounding flip breaks (FP8P_TEST_SEED=1); it now checks the FP8
+    """The run's seed (`--seed N` or FP8P_TEST_SEED=N reproduces one). The FP8 CP2-vs-CP1 check once compared
+    two FP8 runs at float32 accuracy, which an FP8 rounding flip breaks (FP8P_TEST_SEED=1); it now checks the FP8
     state bit for bit over the CP group and the CP1 results within FP8's own error (workers/attention_checks)."""
     launch("attention_checks.py", 2, timeout=900, expect_checks=[
         "matches_megatron_dot_product_attention", "errors", "dropout_under_rng_tracker", "gpt_cp1_reference",

@@ -6,8 +6,8 @@ diagonal alignment are checked forward and backward against a float64 reference 
 TransformerEngine's documented rules (an explicit softmax over masked scores; a query with no allowed key
 outputs zeros), plus the exact masks of TransformerEngine's own docstring examples. Dropout: deterministic
 under a seed or a seeded RNG tracker, drawn from the tracker's fork, without effect in eval(). Context
-parallel runs on 2 gloo ranks (workers/te_attention_cp_checks.py). Seeds are the run's seed (`--random-seed` draws one) and printed;
-FP8P_TEST_SEED=<seed> reproduces one.
+parallel runs on 2 gloo ranks (workers/te_attention_cp_checks.py). Seeds are the run's seed (`--random-seed`
+draws one) and printed; FP8P_TEST_SEED=<seed> reproduces one.
 """
 from __future__ import annotations
 

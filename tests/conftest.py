@@ -26,7 +26,7 @@ def pytest_addoption(parser):
     group.addoption("--seed", type=int, default=None, metavar="N",
                     help=f"the run's seed (default: ${seeds.ENV_VAR}, else {seeds.DEFAULT_SEED})")
     group.addoption("--random-seed", action="store_true", default=False,
-                    help="draw a fresh random seed for the run (printed in the header)")
+                    help="draw a fresh random seed for the run (printed with the summary)")
 
 
 def _choose_seed(config) -> int:

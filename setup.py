@@ -59,7 +59,7 @@ setup(
     # the one the README's commands install first (the build its package index serves).
     install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging", "psutil", "tqdm", "matplotlib", "tensorboard"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "torchao>=0.14", "ninja", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "torchao>=0.14", "ninja", "ruff>=0.6"],
         "gpu": ["triton"],
     },
     ext_modules=ext_modules,

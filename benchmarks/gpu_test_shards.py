@@ -23,7 +23,8 @@ MULTI_GPU_TESTS = ("two_gpus", "test_pp2_schedule_replays_graphs_on_both_ranks")
 
 
 def _collect(k_expr: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-n", "0", "tests",
+           "-p", "no:cacheprovider"]
     if k_expr:
         cmd += ["-k", k_expr]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).stdout
@@ -68,8 +69,9 @@ def main() -> int:
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = device
         log = open(junit_dir / f"shard{n}.log", "w")
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "--tb=short", "-p", "no:cacheprovider",
-               f"--junitxml={junit_dir / f'shard{n}.xml'}", *tests]
+        # -n 0: this script shards the tests itself (pytest.ini adds xdist workers by default)
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-v", "-rA", "--tb=short",
+               "-p", "no:cacheprovider", f"--junitxml={junit_dir / f'shard{n}.xml'}", *tests]
         procs.append((n, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + args.timeout
     for n, proc, log in procs:

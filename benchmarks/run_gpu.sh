@@ -18,6 +18,9 @@ fi
 python3 -c "from fp8_parallel import native; m = native.module(); print('compiled host path:', 'CUDA build' if m is not None and m.with_cuda else 'not built (Python path)')"
 # the GPU tests in parallel processes (one GPU each; multi-GPU tests see all): about 2.5 minutes on two H200s
 timeout 600 python3 benchmarks/gpu_test_shards.py --timeout 540 2>&1 | grep -v Warning || status=1
+# the slow tests (CPU ranks, CUDA hidden), which the default `pytest tests` leaves out
+echo "== pytest -m slow"
+timeout 1200 python3 -m pytest -q -m slow -n 0 -p no:cacheprovider tests 2>&1 | tail -n 5 || status=1
 for b in benchmarks/bench_*.py; do
   echo "== $b"
   (cd benchmarks && timeout 600 python3 "$(basename "$b")" "$out") || status=1

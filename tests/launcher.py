@@ -15,8 +15,36 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from seeds import ENV_VAR as SEED_ENV_VAR
+from seeds import session_seed
+
 WORKERS = Path(__file__).resolve().parent / "workers"
 REPO = WORKERS.parent.parent
+
+
+def import_path() -> str:
+    """A child's PYTHONPATH: the repository root, then this process's `sys.path` (which holds `$PYTHONPATH`), so
+    a subprocess imports this checkout and whatever this process can import (a megatron-core on PYTHONPATH)."""
+    entries: List[str] = []
+    for p in (str(REPO), *sys.path):
+        if p and p not in entries:
+            entries.append(p)
+    return os.pathsep.join(entries)
+
+
+def child_env(gpus: bool = False, **overrides: str) -> Dict[str, str]:
+    """The environment for a test's subprocess: a copy of this one, with one thread per process, unbuffered
+    output, `import_path()`, the run's seed (FP8P_TEST_SEED), and CUDA hidden unless `gpus` (then NVLink
+    multicast off); `overrides` last."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=import_path())
+    env[SEED_ENV_VAR] = str(session_seed())
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:  # never use NVLink multicast on shared machines
+        env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
 
 
 def _free_port() -> int:
@@ -45,15 +73,7 @@ def launch(
 
     Raises AssertionError (with the output) on a non-zero exit, a timeout, or a missing check report.
     """
-    full_env = dict(os.environ)
-    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH")) if p)
-    if not gpus:
-        full_env["CUDA_VISIBLE_DEVICES"] = ""
-    else:  # never use NVLink multicast on shared machines
-        full_env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    full_env.setdefault("FP8P_TEST_SEED", str(int.from_bytes(os.urandom(4), "little")))
-    full_env.update(env or {})
+    full_env = child_env(gpus=gpus, **(env or {}))  # the run's seed unless `env` names another
     for attempt in range(3):  # a port taken between choosing it and torchrun binding it: choose another
         report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")
         full_env["FP8P_REPORT_DIR"] = report_dir

@@ -3,14 +3,14 @@ states tracker over the CPU generator."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+from seeds import session_seed
 
 
 def seed_for(name: str) -> int:
-    """A fresh seed (or `FP8P_TEST_SEED`), printed with the test's name so a failure can be reproduced."""
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
+    """The run's seed (`seeds.session_seed`), printed with the test's name so a failure can be reproduced."""
+    seed = session_seed() % 100_000
     print(f"{name}: seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
     return seed
 

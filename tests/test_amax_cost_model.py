@@ -9,6 +9,8 @@ from launcher import launch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import amax_cost_model as cost  # noqa: E402
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 
 def test_dense_layout_counts():
     lay = cost.Layout("t", gpus=64, layers=8, tp=2, pp=2, vpp=2, global_batch=64, micro_batch=1)
@@ -49,6 +51,7 @@ def test_table_is_the_one_docs_scale_md_shows_and_its_cells_are_the_model_s():
     assert (dense_8b.dp, dense_8b.microbatches) == (4, 16) and cost.collectives_per_step(dense_8b) == 16 * 2
 
 
+@HEAVY
 def test_real_step_issues_the_modelled_collectives():
     launch("amax_count_checks.py", 4, expect_checks=["amax_collectives_dense_match_model", "amax_collectives_moe_match_model"],
            timeout=600)

@@ -1,11 +1,11 @@
 """SDPA core attention (`fp8_parallel.modules.attention`): against a float64 softmax reference in process, and
 against megatron-core's DotProductAttention plus context parallel (CP2 vs CP1 GPTs) under torchrun."""
-import os
 
 import pytest
 import torch
 
 from launcher import launch
+from seeds import session_seed
 
 
 def _config(heads=4, groups=2, dim=8, **kw):
@@ -35,7 +35,7 @@ def test_matches_float64_reference(sq, b, heads, groups, dim, mask_kind):
 
     from fp8_parallel.modules.attention import SDPADotProductAttention
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = session_seed()
     print(f"seed={seed}")
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(sq, b, heads, dim, generator=gen, requires_grad=True)
@@ -101,8 +101,8 @@ def test_spec_uses_sdpa_attention_by_default():
 
 
 def test_megatron_attention_and_context_parallel():
-    """Random per launch; FP8P_TEST_SEED=<seed> reproduces one. The FP8 CP2-vs-CP1 check once compared two FP8
-    runs at float32 accuracy, which an FP8 rounding flip breaks (FP8P_TEST_SEED=1); it now checks the FP8
+    """The run's seed (`--seed N` or FP8P_TEST_SEED=N reproduces one). The FP8 CP2-vs-CP1 check once compared
+    two FP8 runs at float32 accuracy, which an FP8 rounding flip breaks (FP8P_TEST_SEED=1); it now checks the FP8
     state bit for bit over the CP group and the CP1 results within FP8's own error (workers/attention_checks)."""
     launch("attention_checks.py", 2, timeout=900, expect_checks=[
         "matches_megatron_dot_product_attention", "errors", "dropout_under_rng_tracker", "gpt_cp1_reference",

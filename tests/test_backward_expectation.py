@@ -4,11 +4,11 @@ Single process (no reduction group): each test compares against a plain run of t
 the grad-output amax taken from the autograd graph itself.
 """
 import copy
-import os
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from seeds import session_seed
 
 import fp8_parallel as fp
 from fp8_parallel.modules import Linear
@@ -19,7 +19,7 @@ RECIPE = fp.DelayedScaling(amax_history_len=4)
 
 
 def _seed() -> int:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = session_seed()
     print(f"seed {seed}")
     return seed
 

@@ -18,8 +18,11 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from launcher import REPO, _free_port
+from launcher import REPO, _free_port, child_env
+from seeds import session_seed
 from launch import checkpoint_files as cf
+
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
 
 JOB = REPO / "launch" / "pretrain_gpt.py"
 TIMEOUT = 900.0  # per launch; a launch takes ~20-60 s on 2 shared cores, a hang still fails
@@ -47,17 +50,14 @@ LAYOUTS = {
 
 
 def _seed() -> int:
-    """Random per test; FP8P_TEST_SEED=<seed> reproduces one."""
-    seed = int(os.environ.get("FP8P_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    """The run's seed (`--seed N` or FP8P_TEST_SEED=N reproduces one)."""
+    seed = session_seed()
     print(f"seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
     return seed
 
 
 def _env(tmp_path: Path) -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-               FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return child_env(FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
 
 
 def _start(tmp_path: Path, nproc: int, flags: List[str], restarts: int = 0) -> subprocess.Popen:
@@ -150,33 +150,40 @@ def _same_checkpoint(want_dir: Path, got_dir: Path) -> int:
     return len(want)
 
 
+ITERS, HALF = 6, 3  # the exact-resume runs: ITERS uninterrupted; HALF, exit, resume to ITERS
+
+
+@HEAVY
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_job_exact_resume_bitwise(tmp_path, layout):
-    """Train 10; separately train 5, save and exit (--exit-interval 5), then --load to 10: the losses after the
+    """Train 6; separately train 3, save and exit (--exit-interval 3), then --load to 6: the losses after the
     resume and every tensor of the final checkpoint (parameters, FP8 state, optimizer, RNG) equal the
-    uninterrupted run bitwise."""
+    uninterrupted run bitwise. (3 + 3 iterations: the resume comes after the 2 warmup iterations, and each
+    launch costs seconds per iteration on 2 cores; it was 5 + 5.)"""
     nproc, flags = LAYOUTS[layout]
     flags = _moe_default() if flags is None else flags
     seed = _seed() % 100_000 + 1
     print(f"layout {layout}, job seed {seed}")
-    flags = flags + ["--seed", str(seed), "--train-iters", "10"]
+    flags = flags + ["--seed", str(seed), "--train-iters", str(ITERS)]
     a, b = tmp_path / "a", tmp_path / "b"
     _job(tmp_path, nproc, flags + ["--save", str(a), "--log-json", str(tmp_path / "a.jsonl")], "uninterrupted run")
-    out = _job(tmp_path, nproc, flags + ["--exit-interval", "5", "--save", str(b), "--log-json",
+    out = _job(tmp_path, nproc, flags + ["--exit-interval", str(HALF), "--save", str(b), "--log-json",
                                          str(tmp_path / "b1.jsonl")], "run to the exit interval")
-    assert "exit interval: stopping after iteration 5" in out, out[-5000:]
-    assert cf.read_latest(b) == "iter_0000005" and sorted(p.name for p in b.iterdir()) == ["iter_0000005", "latest"]
+    assert f"exit interval: stopping after iteration {HALF}" in out, out[-5000:]
+    half = cf.checkpoint_name(HALF)
+    assert cf.read_latest(b) == half and sorted(p.name for p in b.iterdir()) == [half, "latest"]
     out = _job(tmp_path, nproc, flags + ["--load", str(b), "--save", str(b), "--log-json", str(tmp_path / "b2.jsonl")],
                "resumed run")
-    assert "resumed from" in out and "at iteration 5 (sample" in out, out[-5000:]
+    assert "resumed from" in out and f"at iteration {HALF} (sample" in out, out[-5000:]
     ref, first, resumed = (_losses(tmp_path / f) for f in ("a.jsonl", "b1.jsonl", "b2.jsonl"))
-    assert sorted(ref) == list(range(1, 11)) and sorted(first) == list(range(1, 6)), (ref, first)
-    assert sorted(resumed) == list(range(6, 11)), resumed
-    assert [first[i] for i in range(1, 6)] == [ref[i] for i in range(1, 6)], (first, ref)
-    assert [resumed[i] for i in range(6, 11)] == [ref[i] for i in range(6, 11)], (resumed, ref)
-    assert ref[10] < ref[1], f"the loss did not fall: {ref}"
-    n = _same_checkpoint(a / "iter_0000010", b / "iter_0000010")
-    print(f"{layout}: losses 6..10 and {n} checkpoint tensors bitwise equal")
+    assert sorted(ref) == list(range(1, ITERS + 1)) and sorted(first) == list(range(1, HALF + 1)), (ref, first)
+    assert sorted(resumed) == list(range(HALF + 1, ITERS + 1)), resumed
+    assert [first[i] for i in range(1, HALF + 1)] == [ref[i] for i in range(1, HALF + 1)], (first, ref)
+    assert [resumed[i] for i in range(HALF + 1, ITERS + 1)] == [ref[i] for i in range(HALF + 1, ITERS + 1)], (
+        resumed, ref)
+    assert ref[ITERS] < ref[1], f"the loss did not fall: {ref}"
+    n = _same_checkpoint(a / cf.checkpoint_name(ITERS), b / cf.checkpoint_name(ITERS))
+    print(f"{layout}: losses {HALF + 1}..{ITERS} and {n} checkpoint tensors bitwise equal")
 
 
 def _children(pid: int) -> List[int]:
@@ -221,6 +228,7 @@ def _worker_ranks(agent_pid: int) -> Dict[int, int]:
     return out
 
 
+@HEAVY
 def test_job_restarts_after_a_rank_is_killed(tmp_path):
     """SIGKILL one rank mid-training under `torchrun --max-restarts=1` with --load equal to --save: torchrun
     restarts the job, which finds its latest complete checkpoint by itself, resumes there and finishes the

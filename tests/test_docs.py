@@ -8,7 +8,6 @@ Python blocks without a marker run as a script in a fresh interpreter; shell blo
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import List, NamedTuple, Optional
 
 import pytest
+
+from launcher import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -60,9 +61,7 @@ ALL = [b for p in DOCS for b in blocks(p)]
 
 
 def _env() -> dict:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return child_env()
 
 
 BLOCK_DONE = "DOCS-BLOCK-RAN-TO-ITS-END"

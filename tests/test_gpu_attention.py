@@ -1,11 +1,11 @@
 """GPU: SDPA core attention per dtype and SDPA backend against megatron-core's DotProductAttention (run in
 float32 on the same inputs), GQA, dropout under megatron's RNG tracker, and the CP worker on two GPUs."""
-import os
 
 import pytest
 import torch
 
 from launcher import launch
+from seeds import session_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def test_backends_match_megatron(megatron_groups, dtype, backend, case):
 
     if dtype == torch.float32 and backend in ("flash", "cudnn"):
         pytest.skip(f"{backend} attention has no float32 kernel")
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = session_seed()
     print(f"seed={seed}")
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed % 1000)
@@ -119,7 +119,7 @@ def test_dropout_deterministic_under_rng_tracker(megatron_groups, graph_safe):
 
     from fp8_parallel.modules.attention import SDPADotProductAttention
 
-    seed = int.from_bytes(os.urandom(4), "little") % 10000
+    seed = session_seed() % 10000
     print(f"seed={seed}")
     ours = SDPADotProductAttention(_config(8, 2, 64, torch.bfloat16, attention_dropout=0.2), 1,
                                    AttnMaskType.causal, "self")

@@ -1,6 +1,7 @@
 """GPU checks of the numerics core: Triton vs torch quantize, FP8 GEMM vs dequantized matmul, graph capture."""
 import pytest
 import torch
+from seeds import session_seed
 
 from fp8_parallel.gemm import fp8_gemm
 from fp8_parallel.quantize import quantize
@@ -10,7 +11,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _gen():
-    return torch.Generator(device="cuda").manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    return torch.Generator(device="cuda").manual_seed(session_seed())
 
 
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 776), (3, 17, 48), (64, 64), (256, 192)])
@@ -217,7 +218,7 @@ def test_fp8_linear_every_dtype_matches_float64(pdt, recipe_name, mkn, leaf, cac
     """float32 parameters gave non-finite weight gradients on the GPU (NaN bytes in the E5M2 transpose)."""
     import fp8_parallel as fp
 
-    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    seed = session_seed()
     print(f"seed {seed}")
     recipe = fp.DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else fp.CurrentScaling()
     _linear_case(pdt, recipe, *mkn, leaf, cache, seed)
@@ -230,7 +231,7 @@ def test_grouped_experts_with_an_empty_expert(pdt):
     import fp8_parallel as fp
     from fp8_parallel.modules.grouped import GroupedLinear
 
-    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    seed = session_seed()
     print(f"seed {seed}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, perform_initialization=False,
@@ -312,7 +313,7 @@ def test_parallel_linears_every_dtype_match_float64(one_rank_model_parallel, pdt
     import fp8_parallel as fp
 
     ps = one_rank_model_parallel
-    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    seed = session_seed()
     print(f"seed {seed}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     cfg = TransformerConfig(num_layers=1, hidden_size=d, ffn_hidden_size=f, num_attention_heads=2,

@@ -4,8 +4,11 @@ vocabulary is padded to one size for every TP that divides 8, so the embedding k
 pipeline stages reshard too (saved PP2 x VPP2, resumed PP2)."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+from launch import checkpoint_files as cf
 from test_pretrain_gpt import FP8, TINY, _rows, _torchrun
 
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -25,14 +28,20 @@ VPP2 = PP2 + ["--virtual-pipeline-model-parallel-size", "2"]
 
 
 def _save_then_resume_elsewhere(tmp_path, saved_layout, resumed_layout) -> None:
-    """Train 8 iterations whole, and 4 + 4 with a save under `saved_layout` and a resume under `resumed_layout`:
-    the resumed run continues where the whole one goes. Another layout computes the same model with other
-    reduction orders and amax domains: FP8 tolerance."""
+    """Train 8 iterations whole under `saved_layout`, saving iteration 4 on the way, and resume that save under
+    `resumed_layout`: the resumed run continues where the whole one goes. Another layout computes the same model
+    with other reduction orders and amax domains: FP8 tolerance. (A save does not change the run that makes it,
+    and a run stopped by --exit-interval leaves the same checkpoint: test_checkpointing_job checks both bitwise;
+    so the whole run's save at 4 stands for a separate run to 4, one launch fewer.)"""
     common = TINY + FP8 + ["--num-layers", "4", "--train-iters", "8"]
-    ckpt = tmp_path / "ckpt"
-    _torchrun(tmp_path, 2, common + saved_layout + ["--log-json", str(tmp_path / "whole.jsonl")])
-    _torchrun(tmp_path, 2, common + saved_layout + ["--save", str(ckpt), "--save-interval", "4",
-                                                    "--exit-interval", "4", "--log-json", str(tmp_path / "first.jsonl")])
+    saved, ckpt = tmp_path / "saved", tmp_path / "ckpt"
+    _torchrun(tmp_path, 2, common + saved_layout + ["--save", str(saved), "--save-interval", "4",
+                                                    "--log-json", str(tmp_path / "whole.jsonl")])
+    assert cf.read_latest(saved) == "iter_0000008" and (saved / "iter_0000004").is_dir(), sorted(saved.iterdir())
+    ckpt.mkdir()
+    shutil.copytree(saved / "iter_0000004", ckpt / "iter_0000004")  # the checkpoint a run stopped at 4 leaves
+    cf.write_atomic(ckpt / cf.LATEST, "iter_0000004\n")
+    cf.verify(cf.find_current(ckpt)[0])
     _torchrun(tmp_path, 2, common + resumed_layout + ["--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl")])
     whole, resumed = _rows(tmp_path / "whole.jsonl"), _rows(tmp_path / "resumed.jsonl")
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8], resumed

@@ -8,6 +8,8 @@ import pytest
 
 from launcher import launch
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 
 def test_spec_names_resolve_as_megatron_lm_resolves_them():
     from megatron.core.transformer.spec_utils import ModuleSpec, import_module
@@ -48,6 +50,7 @@ def test_only_plain_transformer_blocks_are_adopted():
         adopt_block(block)
 
 
+@HEAVY
 def test_megatron_lm_spec_path_tp2_pp2_vpp2():
     launch("megatron_lm_checks.py", 4, timeout=900, expect_checks=[
         "spec_by_name_builds_every_stage", "one_amax_reduction_per_block_pass",
@@ -62,6 +65,7 @@ def test_gpt_block_spec_full_recompute_tp1_tp2():
            expect_checks=["full_recompute_tp1", "full_recompute_tp2"])
 
 
+@HEAVY
 def test_megatron_lm_moe_expert_amax_domain_ep2():
     """Megatron-LM-style start-up (megatron's groups only) with EP2 on 4 gloo ranks: MoE models from our block
     specs reduce expert amaxes over the expert amax domain and dense ones over the dense group, with no set-up
@@ -74,11 +78,11 @@ def test_cpu_launcher_names_a_checkout_without_pretrain_gpt(tmp_path):
     import subprocess
     import sys
 
-    from launcher import REPO
+    from launcher import REPO, child_env
 
     proc = subprocess.run(
         [sys.executable, str(REPO / "launch" / "megatron_lm_cpu.py"), "--megatron-lm", str(tmp_path), "--",
          "--num-layers", "2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=child_env(),
     )
     assert proc.returncode == 2 and f"--megatron-lm {tmp_path}: no pretrain_gpt.py there" in proc.stderr, proc.stderr

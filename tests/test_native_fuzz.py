@@ -6,13 +6,13 @@ AddressSanitizer"), where an access out of bounds before a check is reported eve
 """
 from __future__ import annotations
 
-import os
 import random
 from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
 from native_build import cpu_extension
+from seeds import session_seed
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -23,7 +23,7 @@ TRIALS = 16  # random valid calls broken per mutation
 
 def fuzz_seed() -> int:
     """A fixed seed (`FP8P_TEST_SEED` overrides it), printed so a failure can be reproduced."""
-    seed = int(os.environ.get("FP8P_TEST_SEED", "20261205"))
+    seed = session_seed()
     print(f"test_native_fuzz: seed {seed} (FP8P_TEST_SEED={seed} reproduces)")
     return seed
 

@@ -4,9 +4,12 @@ import pytest
 from parallel_state import ParallelLayoutError, ParallelSizes
 from launcher import launch
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 CHECKS = ["bad_sizes", "sizes", "getters", "amax_domains", "max_all_reduce", "schedule_matches_single_process"]
 
 
+@HEAVY
 @pytest.mark.parametrize(
     "nproc,tp,pp,vpp,ep,cp",
     [(8, 2, 2, 0, 2, 1), (4, 2, 2, 2, 1, 1), (8, 2, 2, 0, 1, 2)],
@@ -41,6 +44,7 @@ def test_derived_sizes():
     assert (s.dp, s.expert_dp, s.expert_tp) == (2, 2, 1)
 
 
+@HEAVY
 def test_megatron_gpt_dense_and_moe_train_on_cpu():
     launch(
         "gpt_cpu_checks.py", 4, expect_checks=["gpt_dense_trains_on_cpu", "gpt_moe_ep2_trains_on_cpu"], timeout=400
@@ -68,19 +72,15 @@ def test_unguarded_script_fails_instead_of_hanging(tmp_path):
     """megatron's checkpoint writer starts a helper process with the spawn method, which re-runs a main script
     without an `if __name__ == "__main__":` guard; its `initialize` joined the rank's rendezvous and both hung
     (seen: 18 minutes). It now refuses in the helper, naming the guard, and the job exits within seconds."""
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    from launcher import _free_port
+    from launcher import _free_port, child_env
 
-    repo = Path(__file__).resolve().parents[1]
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT)
     (tmp_path / "ckpt").mkdir()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(script), str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

@@ -4,6 +4,8 @@ import pytest
 from fp8_parallel.pipeline import capture_order
 from launcher import launch
 
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
+
 
 def test_matches_megatron_conversion_of_its_schedule_table():
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
@@ -34,5 +36,6 @@ def test_bad_rank_is_named():
         capture_order(4, 2, 2)
 
 
+@HEAVY
 def test_matches_the_sequence_megatron_schedules_execute():
     launch("pipeline_order_checks.py", 4, timeout=300, expect_checks=["capture_order_matches_megatron_schedule"])

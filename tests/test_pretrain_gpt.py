@@ -4,7 +4,6 @@ rendezvous, and the embedded default run end to end."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,9 @@ from typing import Dict, List
 import pytest
 import torch
 
-from launcher import REPO, _free_port
+from launcher import REPO, _free_port, child_env
+
+HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
 
 ENTRY = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -23,11 +24,7 @@ FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4"]
 
 
 def _env(tmp_path: Path) -> Dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-                "FP8P_DATA_CACHE": str(tmp_path.parent / "fp8p-data-cache")})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return child_env(FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
 
 
 def _torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900, expect_ok: bool = True,
@@ -202,6 +199,7 @@ def test_invalid_sizes_are_named(argv, world, needle):
     assert needle in str(err.value), err.value
 
 
+@HEAVY
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-model-parallel-size", "3"], "world size 4 is not divisible"),
     (["--data-path", "/nonexistent/corpus_text_document"], "no megatron indexed dataset at /nonexistent/corpus"),
@@ -223,23 +221,33 @@ def test_preprocess_text_and_jsonl(tmp_path):
     text.write_text("first doc line one\nline two\n\nsecond doc \u00e9\n\n\n")
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text(json.dumps({"text": "alpha"}) + "\n" + json.dumps({"text": "beta gamma"}) + "\n")
-    for src, docs, extra in ((text, ["first doc line one\nline two", "second doc \u00e9"], []),
-                             (jsonl, ["alpha", "beta gamma"], [])):
-        prefix = tmp_path / f"out_{src.suffix[1:]}"
-        proc = subprocess.run([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(src),
-                               "--output-prefix", str(prefix), *extra], capture_output=True, text=True, timeout=300,
-                              env=_env(tmp_path))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        ds = IndexedDataset(str(prefix))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text key"}\n')
+
+    def start(src: Path, prefix: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(src),
+                                 "--output-prefix", str(prefix)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=_env(tmp_path))
+
+    # the three conversions at once (each is mostly the interpreter's start-up)
+    cases = [(text, ["first doc line one\nline two", "second doc \u00e9"]), (jsonl, ["alpha", "beta gamma"])]
+    procs = [start(src, tmp_path / f"out_{src.suffix[1:]}") for src, _ in cases] + [start(bad, tmp_path / "bad")]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    for (src, docs), (rc, out, err) in zip(cases, results):
+        assert rc == 0, out + err
+        ds = IndexedDataset(str(tmp_path / f"out_{src.suffix[1:]}"))
         assert len(ds) == len(docs)
         for i, doc in enumerate(docs):
             assert ds[i].tolist() == list(doc.encode("utf-8")) + [256], (i, ds[i])
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"body": "no text key"}\n')
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "preprocess_data.py"), "--input", str(bad),
-                           "--output-prefix", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300,
-                          env=_env(tmp_path))
-    assert proc.returncode == 2 and "bad.jsonl:2" in proc.stderr, proc.stderr
+    rc, _, err = results[2]
+    assert rc == 2 and "bad.jsonl:2" in err, err
     assert not (tmp_path / "bad.idx").exists()
 
 
@@ -338,6 +346,7 @@ def test_moe_fp8_run_is_deterministic(tmp_path):
     assert all(r["fp8_nonfinite_amax"] == 0 for r in a)
 
 
+@HEAVY
 def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     """Two torchrun agents (2 ranks each) on 127.0.0.1 form one 4-rank job (TP2 x PP2)."""
     port = _free_port()
@@ -366,9 +375,11 @@ def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     assert [r["iteration"] for r in _rows(log)] == [1, 2, 3]
 
 
+@HEAVY
+@pytest.mark.slow
 def test_default_job_end_to_end(tmp_path):
     """The README's first command: no flags, 4 ranks, MoE GPT on TP2 x PP2 x EP2 with FP8; loss falls and a
-    checkpoint is written."""
+    checkpoint is written. Slow (40 iterations, over a minute on 2 cores): run with `-m slow` (nightly)."""
     out = _torchrun(tmp_path, 4, [], timeout=1500)
     assert "no flags: the embedded default run" in out
     assert "tp 2 pp 2 vpp None cp 1 dp 1 ep 2 etp 1" in out and "experts 4; fp8 hybrid" in out, out[-5000:]
@@ -383,9 +394,7 @@ def test_default_job_end_to_end(tmp_path):
 # -- GPUs (skipped without CUDA) ------------------------------------------------------------------------------
 
 def _gpu_torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900) -> str:
-    env = _env(tmp_path)
-    env.pop("CUDA_VISIBLE_DEVICES")
-    env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    env = child_env(gpus=True, FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
            f"--master_port={_free_port()}", str(ENTRY), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)

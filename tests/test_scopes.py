@@ -14,7 +14,7 @@ CHECKS = [
 FOUR_RANK_CHECKS = ["nested_scopes_own_groups"]  # TP2 x EP2: needs 4 ranks
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.xdist_group("heavy"))])
 def test_scopes_multirank(nproc):
     launch("scope_checks.py", nproc, expect_checks=CHECKS + (FOUR_RANK_CHECKS if nproc == 4 else []), timeout=600)
 

@@ -6,12 +6,11 @@ diagonal alignment are checked forward and backward against a float64 reference 
 TransformerEngine's documented rules (an explicit softmax over masked scores; a query with no allowed key
 outputs zeros), plus the exact masks of TransformerEngine's own docstring examples. Dropout: deterministic
 under a seed or a seeded RNG tracker, drawn from the tracker's fork, without effect in eval(). Context
-parallel runs on 2 gloo ranks (workers/te_attention_cp_checks.py). Seeds are random per test and printed;
-FP8P_TEST_SEED=<seed> reproduces one.
+parallel runs on 2 gloo ranks (workers/te_attention_cp_checks.py). Seeds are the run's seed (`--random-seed`
+draws one) and printed; FP8P_TEST_SEED=<seed> reproduces one.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ import torch
 
 import fp8_parallel as te
 from fp8_parallel import recipe
-from launcher import launch
+from launcher import child_env, launch
 from te_testing import seed_for as _seed, rel_error as _rel, CpuTracker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -516,7 +515,7 @@ def test_names_exported_without_megatron():
         assert position_mask is moved
         print("NAMES-OK")
     """)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0 and "NAMES-OK" in res.stdout, res.stdout + res.stderr
 

@@ -5,7 +5,8 @@ generator, Linear) runs a few training steps with and without `checkpoint`, reen
 and current FP8 scaling and without FP8: outputs, input and parameter gradients, the FP8 state (amax
 histories and scales: the recompute records nothing twice) and the tracker's final state must be bitwise
 equal. Without the tracker passed, the recompute's dropout differs and so do the gradients (the check can
-fail). Seeds are random per test and printed; FP8P_TEST_SEED=<seed> reproduces one.
+fail). Seeds are the run's seed (`--random-seed` draws one) and printed; FP8P_TEST_SEED=<seed> reproduces
+one.
 """
 from __future__ import annotations
 

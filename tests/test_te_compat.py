@@ -13,7 +13,6 @@ row (LayerNormMLP) get twice these. The high-precision path must match the refer
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 import fp8_parallel as te
 from fp8_parallel import recipe
+from launcher import child_env
 from te_testing import seed_for as _seed, rel_error as _rel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def test_import_does_not_load_megatron_and_integrations_are_attributes():
             raise AssertionError("no AttributeError")
         print("IMPORT-OK")
     """)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
                          cwd=REPO)
     assert res.returncode == 0 and "IMPORT-OK" in res.stdout, res.stdout + res.stderr

@@ -127,7 +127,7 @@ def test_reset_parameters_keeps_parameter_attributes_and_fresh_fp8_state():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_gpu_meta_module_allocates_no_device_memory_until_reset(kind):
     """TransformerEngine's `test_zero_memory_init` and `test_reset_parameters`, at their sizes."""

@@ -127,7 +127,7 @@ def test_delayed_fused_accumulation_adds_what_the_undelayed_fused_module_adds(ki
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rname", list(RECIPES))
 def test_gpu_delayed_fused_accumulation_matches_the_undelayed_module(rname, dtype):

@@ -9,7 +9,6 @@ its seed; FP8P_TEST_SEED=<seed> reproduces it.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import torch
 import fp8_parallel as te
 from fp8_parallel import recipe, testing
 from fp8_parallel.scopes import current_scope
+from launcher import child_env
 from te_testing import seed_for as _seed, rel_error as _rel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -418,7 +418,7 @@ def test_import_stays_megatron_free():
         assert not [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")], "megatron imported"
         print("IMPORT-OK")
     """)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
                          cwd=REPO)
     assert res.returncode == 0 and "IMPORT-OK" in res.stdout, res.stdout + res.stderr

@@ -13,7 +13,7 @@ Check = Tuple[str, Callable[[], None]]
 
 
 def test_seed() -> int:
-    """A fresh seed per launch (chosen by the launcher), identical on every rank."""
+    """The pytest run's seed (passed by the launcher as FP8P_TEST_SEED), identical on every rank."""
     return int(os.environ.get("FP8P_TEST_SEED", "0"))
 
 

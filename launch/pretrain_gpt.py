@@ -39,6 +39,21 @@ def _filter_megatron_warnings(rank: int) -> None:
                           "norms, multi-tensor ops); this job's FP8 layers do not need them", stacklevel=1)
 
 
+def _usage_error(rank: int, err: Exception) -> int:
+    """An argument or path error: one line from rank 0, exit status 2, before any process group exists.
+
+    The other ranks print nothing; they wait for torchrun to stop them once rank 0 has exited, so that rank 0's
+    line is not cut off by torchrun ending the group at the first failed rank."""
+    if rank == 0:
+        text = " ".join(str(err).split())
+        print(f"pretrain_gpt.py: error: {text}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        import time
+
+        time.sleep(60)
+    return 2
+
+
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -47,6 +62,7 @@ def main(argv=None) -> int:
 
     from launch.train.arguments import ArgumentError, embedded_default_argv, parse_args
     from launch.train.datapath import DataError, check_data_path
+    from launch.train.preflight import PathError, plan_resume
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -56,12 +72,12 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv, world_size=world)
         check_data_path(args.data_path)
-    except (ArgumentError, DataError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        plan = plan_resume(args)
+    except (ArgumentError, DataError, PathError) as err:
+        return _usage_error(rank, err)
     from launch.train.loop import run
 
-    return run(args)
+    return run(args, plan)
 
 
 if __name__ == "__main__":

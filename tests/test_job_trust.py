@@ -89,3 +89,89 @@ def test_load_path_must_be_a_checkpoint_directory(tmp_path):
     assert "no complete checkpoint there (--load-optional): starting from iteration 0" in out, out[-3000:]
     _, out = _job(tmp_path, TINY + ["--train-iters", "3", "--load", str(ck), "--load-optional", "--save", str(ck)])
     assert "resumed from" in out and "at iteration 2" in out, out[-3000:]
+
+
+def test_save_directory_resumes_by_default_and_train_iters_extends(tmp_path):
+    """Re-running a command with --save resumes from its checkpoint (no --load needed); a larger --train-iters
+    extends the run; the same command once more has nothing to train and exits 0."""
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    flags = TINY + ["--save", str(ck), "--log-json", str(log)]
+    _job(tmp_path, flags + ["--train-iters", "2"])
+    _, out = _job(tmp_path, flags + ["--train-iters", "4"])
+    assert f"resuming from --save {ck}" in out and "at iteration 2" in out, out[-3000:]
+    assert [r["iteration"] for r in _rows(log)] == [1, 2, 3, 4]
+    assert _latest(ck) == "iter_0000004"
+    _, out = _job(tmp_path, flags + ["--train-iters", "4"])
+    assert "nothing to train" in out and "| loss " not in out, out[-3000:]
+    assert [r["iteration"] for r in _rows(log)] == [1, 2, 3, 4]
+
+
+def test_lr_schedule_on_resume_follows_megatrons_flag_pair(tmp_path):
+    """On resume the checkpoint's schedule wins by default (megatron-core's use_checkpoint_opt_param_scheduler)
+    and the log names the values it decided; --override-opt-param-scheduler takes this run's flags; both
+    flags together are refused."""
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    flags = TINY + ["--save", str(ck), "--log-json", str(log), "--lr", "1e-2", "--min-lr", "1e-3"]
+    _job(tmp_path, flags + ["--train-iters", "2"])
+    _, out = _job(tmp_path, flags + ["--train-iters", "4"])
+    lines = [line for line in out.splitlines() if "LR schedule:" in line]
+    assert len(lines) == 1 and "the checkpoint's values win" in lines[0], out[-3000:]
+    assert "lr_decay_steps 2 (this run 4)" in lines[0], lines
+    lr = {r["iteration"]: r["lr"] for r in _rows(log)}
+    assert abs(lr[3] - 1e-3) < 1e-9 and abs(lr[4] - 1e-3) < 1e-9, lr  # decayed by 2: at --min-lr
+    _, out = _job(tmp_path, flags + ["--train-iters", "8", "--override-opt-param-scheduler"])
+    lines = [line for line in out.splitlines() if "LR schedule:" in line]
+    assert len(lines) == 1 and "this run's values replace the checkpoint's" in lines[0], out[-3000:]
+    lr = {r["iteration"]: r["lr"] for r in _rows(log)}
+    assert lr[5] > 2e-3, lr  # cosine over 8 iterations: well above --min-lr at iteration 5
+    print(_refused(tmp_path, flags + ["--train-iters", "9", "--override-opt-param-scheduler",
+                                      "--use-checkpoint-opt_param-scheduler"], "contradict"))
+
+
+def test_saves_never_replace_a_newer_checkpoint_without_overwrite(tmp_path):
+    """A run that starts at iteration 2 (--load) and saves into a directory whose `latest` is iteration 4 is
+    refused before training; with --overwrite it saves and `latest` moves back as asked."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _job(tmp_path, TINY + ["--train-iters", "4", "--save-interval", "2", "--save", str(a)])
+    _job(tmp_path, TINY + ["--train-iters", "2", "--save", str(b)])
+    print(_refused(tmp_path, TINY + ["--train-iters", "3", "--load", str(b), "--save", str(a)],
+                   f"--save {a} holds checkpoint iter_0000004", "--overwrite"))
+    assert _latest(a) == "iter_0000004"
+    _, out = _job(tmp_path, TINY + ["--train-iters", "3", "--load", str(b), "--save", str(a), "--overwrite"])
+    assert _latest(a) == "iter_0000003" and (a / "iter_0000004").is_dir(), sorted(p.name for p in a.iterdir())
+
+
+def test_resumes_that_cannot_continue_are_refused(tmp_path):
+    """--train-iters below the checkpoint's iteration, another FP8 format or recipe than the checkpoint's,
+    and --exit-interval without --save end the job before training, with one line."""
+    ck = tmp_path / "ck"
+    _job(tmp_path, TINY + ["--train-iters", "3", "--save", str(ck)])
+    print(_refused(tmp_path, TINY + ["--train-iters", "2", "--save", str(ck)], "--train-iters=2 is below",
+                   "iteration 3"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(ck), "--fp8-format", "e4m3"],
+                   "--fp8-format e4m3", "--fp8-format hybrid"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(ck), "--fp8-recipe", "tensorwise"],
+                   "--fp8-recipe tensorwise", "--fp8-recipe delayed"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--exit-interval", "2"], "--exit-interval=2 without --save"))
+    assert _latest(ck) == "iter_0000003"
+
+
+def test_save_directory_is_checked_for_writing_at_start(tmp_path):
+    """A --save that is a file, or lies below one, ends the job before it trains (exit 2, one line)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    print(_refused(tmp_path, TINY + ["--train-iters", "2", "--save", str(blocker)], f"--save {blocker} is a file"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "2", "--save", str(blocker / "ck")], "is not writable"))
+
+
+def test_keep_last_and_leftovers_of_killed_saves(tmp_path):
+    """--keep-last 2 keeps the two newest checkpoints; what killed saves left (iter_N.tmp, iter_N.old,
+    .latest.tmp-PID) is removed after the next complete save."""
+    ck = tmp_path / "ck"
+    (ck / "iter_0000009.tmp").mkdir(parents=True)
+    (ck / "iter_0000001.old").mkdir()
+    (ck / ".latest.tmp-12345").write_text("iter_0000009\n")
+    _, out = _job(tmp_path, TINY + ["--train-iters", "4", "--save-interval", "1", "--save", str(ck),
+                                    "--keep-last", "2"])
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000004", "latest"], out[-3000:]
+    assert "removed iter_0000009.tmp" in out and "removed iter_0000002 (--keep-last 2)" in out, out[-3000:]

@@ -89,6 +89,8 @@ def _describe_failure(err: BaseException) -> str:
         parts = []
         for rank, exc in sorted(failures.items())[:2]:
             inner = exc.exc if hasattr(exc, "exc") else exc  # a wrapped remote exception
+            if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+                inner = inner[0]  # (exception, traceback frames), as DCP keeps a rank's failure
             parts.append(f"rank {rank}: {type(inner).__name__}: {_text(inner)}")
         more = f" (and {len(failures) - 2} more ranks)" if len(failures) > 2 else ""
         return f"{type(err).__name__}: " + "; ".join(parts) + more

@@ -175,3 +175,38 @@ def test_keep_last_and_leftovers_of_killed_saves(tmp_path):
                                     "--keep-last", "2"])
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000004", "latest"], out[-3000:]
     assert "removed iter_0000009.tmp" in out and "removed iter_0000002 (--keep-last 2)" in out, out[-3000:]
+
+
+def test_checkpoint_write_fault_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """A save whose files cannot be written (the job's file size limited below a shard's size: EFBIG inside
+    torch.distributed.checkpoint's writer, raised as its CheckpointException, a BaseException) ends the job
+    with exit status 1 and one line naming the save directory and the failed rank's error; `latest` still names the
+    previous checkpoint, and the next run resumes from it."""
+    ck = tmp_path / "ck"
+    flags = TINY + ["--train-iters", "4", "--save", str(ck)]
+    _job(tmp_path, flags + ["--exit-interval", "2"])  # the data index cache is written here, not below
+    limit = min(p.stat().st_size for p in (ck / "iter_0000002").glob("*.distcp")) // 2
+    _, out = _job(tmp_path, flags, expect_rc=1, file_size_limit=limit)
+    lines = [line for line in out.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1, out[-5000:]
+    assert "iter_0000004.tmp failed: CheckpointException: rank 0:" in lines[0], lines[0]  # the OS error's text varies
+    job_frames = [line for line in out.splitlines() if line.strip().startswith('File "') and str(REPO) in line]
+    assert not job_frames, f"a traceback from the job:\n{out[-5000:]}"
+    assert _latest(ck) == "iter_0000002"
+    _, out = _job(tmp_path, flags)
+    assert "at iteration 2" in out and _latest(ck) == "iter_0000004", out[-3000:]
+    assert not (ck / "iter_0000004.tmp").exists()
+
+
+def test_usage_errors_come_once_from_rank_0(tmp_path):
+    """On 2 ranks: a mistyped flag names the closest one, --max-position-embeddings below --seq-length is
+    named, each once (rank 0) with exit status 2 and no traceback from the job; --help prints once and shows
+    the new flags."""
+    print(_refused(tmp_path, TINY + ["--num-layerz", "2"], "unrecognized arguments: --num-layerz",
+                   "did you mean --num-layers?", nproc=2))
+    print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
+    print(_refused(tmp_path, TINY + ["--max-position-embeddings", "8"], "--max-position-embeddings=8",
+                   "--seq-length=16", nproc=2))
+    _, out = _job(tmp_path, ["--help"], nproc=2)
+    assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
+    assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out

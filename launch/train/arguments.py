@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-json", default=None, help="one JSON object per iteration")
     g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--verbose", action="store_true",
+                   help="show every warning on every rank (by default rank 0 shows each once, and those expected "
+                   "from megatron-core / torch here are hidden with one note naming them)")
     for action in p._actions:  # --help shows every default
         if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
                 and "default" not in (action.help or ""):

@@ -93,12 +93,13 @@ def main(argv=None) -> int:
     from launch.train.datapath import DataError, check_data_path
     from launch.train.preflight import PathError, plan_resume
 
+    preset = embedded_default_argv(world, gpu=torch.cuda.is_available())
     if not argv:
-        argv = embedded_default_argv(world, gpu=torch.cuda.is_available())
+        argv = preset
         if rank == 0:
             print("no flags: the embedded default run: " + " ".join(argv), flush=True)
     try:
-        args = parse_args(argv, world_size=world)
+        args = parse_args(argv, world_size=world, preset=preset)
         check_data_path(args.data_path)
         plan = plan_resume(args)
     except (ArgumentError, DataError, PathError) as err:

@@ -201,15 +201,18 @@ def test_checkpoint_write_fault_is_one_line_and_keeps_the_previous_checkpoint(tm
 def test_usage_errors_come_once_from_rank_0(tmp_path):
     """On 2 ranks: a mistyped flag names the closest one, --max-position-embeddings below --seq-length is
     named, each once (rank 0) with exit status 2 and no traceback from the job; --help prints once and shows
-    the new flags."""
+    the new flags and the values of the no-flag run on these ranks."""
     print(_refused(tmp_path, TINY + ["--num-layerz", "2"], "unrecognized arguments: --num-layerz",
                    "did you mean --num-layers?", nproc=2))
     print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
-    print(_refused(tmp_path, TINY + ["--max-position-embeddings", "8"], "--max-position-embeddings=8",
+    print(_refused(tmp_path, TINY + ["--global-batch-size", "4", "--max-position-embeddings", "8"], "--max-position-embeddings=8",
                    "--seq-length=16", nproc=2))
     _, out = _job(tmp_path, ["--help"], nproc=2)
     assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
     assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out
+    flat = " ".join(out.split())
+    assert "--num-experts NUM_EXPERTS MoE experts (absent = dense); no-flag run: 4" in flat, out[-4000:]
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE no-flag run: 2; default: 1" in flat
 
 
 def _warnings(out: str) -> List[str]:

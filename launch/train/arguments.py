@@ -51,11 +51,13 @@ def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
     return ("; " + "; ".join(hints)) if hints else ""
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining with FP8 on megatron-core (torchrun entry point). With no flags: the "
-        "embedded default run (on 4 ranks: TP2 x PP2, MoE with EP2, FP8, generated corpus).",
+        "embedded default run (on 4 ranks: TP2 x PP2, MoE with EP2, FP8, generated corpus); each flag's "
+        "'no-flag run' value is what it uses on this many ranks. Any flag given replaces that whole preset: the "
+        "flags not given take their 'default'.",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -147,6 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--verbose", action="store_true",
                    help="show every warning on every rank (by default rank 0 shows each once, and those expected "
                    "from megatron-core / torch here are hidden with one note naming them)")
+    if preset is not None:  # --help also shows what the no-flag run uses, where it differs from the default
+        ran = vars(_parser().parse_args(list(preset)))
+        for action in p._actions:
+            if action.dest in ran and ran[action.dest] != action.default:
+                value = " ".join(map(str, ran[action.dest])) if isinstance(ran[action.dest], list) else ran[action.dest]
+                action.help = (action.help + "; " if action.help else "") + f"no-flag run: {value}"
     for action in p._actions:  # --help shows every default
         if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
                 and "default" not in (action.help or ""):
@@ -195,13 +203,14 @@ def embedded_default_argv(world_size: int, gpu: bool) -> List[str]:
     return argv + (["--bf16", "--cuda-graph"] if gpu else [])
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1) -> RunArgs:
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1,
+               preset: Optional[Sequence[str]] = None) -> RunArgs:
     """Parse and validate the flags for a job of `world_size` ranks.
 
     Raises:
         ArgumentError: a size or setting that does not fit (the message names the flag and value).
     """
-    v = vars(_parser().parse_args(argv))
+    v = vars(_parser(preset if argv and ("--help" in argv or "-h" in argv) else None).parse_args(argv))
     v["fp8"] = v.pop("fp8_format")
     v["ffn_hidden_size"] = v["ffn_hidden_size"] or 4 * v["hidden_size"]
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]

@@ -165,7 +165,7 @@ def test_job_exact_resume_bitwise(tmp_path, layout):
     out = _job(tmp_path, nproc, flags + ["--exit-interval", "5", "--save", str(b), "--log-json",
                                          str(tmp_path / "b1.jsonl")], "run to the exit interval")
     assert "exit interval: stopping after iteration 5" in out, out[-5000:]
-    assert cf.read_latest(b) == "iter_0000005" and sorted(p.name for p in b.iterdir()) == ["iter_0000005", "latest"]
+    assert cf.read_latest(b) == "iter_0000005" and sorted(p.name for p in b.iterdir()) == ["iter_0000005", "latest", "logs"]
     out = _job(tmp_path, nproc, flags + ["--load", str(b), "--save", str(b), "--log-json", str(tmp_path / "b2.jsonl")],
                "resumed run")
     assert "resumed from" in out and "at iteration 5 (sample" in out, out[-5000:]

@@ -173,7 +173,7 @@ def test_keep_last_and_leftovers_of_killed_saves(tmp_path):
     (ck / ".latest.tmp-12345").write_text("iter_0000009\n")
     _, out = _job(tmp_path, TINY + ["--train-iters", "4", "--save-interval", "1", "--save", str(ck),
                                     "--keep-last", "2"])
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000004", "latest"], out[-3000:]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000004", "latest", "logs"], out[-3000:]
     assert "removed iter_0000009.tmp" in out and "removed iter_0000002 (--keep-last 2)" in out, out[-3000:]
 
 
@@ -236,3 +236,16 @@ def test_no_warnings_but_a_note_and_verbose_shows_them(tmp_path):
     shown = _warnings(out)
     assert any("all_gather_into_tensor` is deprecated" in w for w in shown), shown
     assert "warnings: hiding" not in out
+
+
+def test_every_run_logs_text_and_metrics_under_its_save_directory(tmp_path):
+    """With --save (no --log-json), the run's lines go to <save>/logs/train.log and one JSON object per
+    iteration to <save>/logs/metrics.jsonl; a resumed run appends to both."""
+    ck = tmp_path / "ck"
+    flags = TINY + ["--global-batch-size", "4", "--save", str(ck)]
+    _job(tmp_path, flags + ["--train-iters", "2"], nproc=2)
+    _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
+    text = (ck / "logs" / "train.log").read_text()
+    assert "iteration      2 | loss" in text and "iteration      3 | loss" in text, text[-3000:]
+    assert f"resuming from --save {ck}" in text and "saved checkpoint at iteration 3" in text, text[-3000:]
+    assert [r["iteration"] for r in _rows(ck / "logs" / "metrics.jsonl")] == [1, 2, 3]

@@ -54,6 +54,19 @@ def _checkpoint_failure(err: Exception) -> int:
     return 1
 
 
+def _open_text_log(args: RunArgs):
+    """With --save: rank 0 and the logging rank copy what they print into `<save>/logs/train.log` (collective)."""
+    from .metrics import TextLog, logging_rank
+
+    log_rank = logging_rank()
+    if not args.save or dist.get_rank() not in (0, log_rank):
+        return None
+    text_log = TextLog(os.path.join(args.save, "logs", "train.log"))
+    if dist.get_rank() == log_rank:
+        print(f"log: {os.path.join(args.save, 'logs', 'train.log')} and metrics.jsonl beside it", flush=True)
+    return text_log
+
+
 def run(args: RunArgs, plan=None) -> int:
     """Train `args.train_iters` iterations from where `plan` (`preflight.plan_resume`) says; returns the exit
     code."""
@@ -69,12 +82,16 @@ def run(args: RunArgs, plan=None) -> int:
     )
     from launch.checkpointing import CheckpointError
 
+    text_log = None
     try:
         with ps.cpu_compat():
+            text_log = _open_text_log(args)
             return _train(args, plan)
     except CheckpointError as err:
         return _checkpoint_failure(err)
     finally:
+        if text_log is not None:
+            text_log.close()
         ps.destroy()
         if started and dist.is_initialized():
             dist.destroy_process_group()
@@ -132,7 +149,8 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
         f"{args.fp8 or 'off'} ({args.fp8_recipe if args.fp8 else '-'}); {batches.num_microbatches} micro batches "
         f"of {args.micro_batch_size}; {len(dataset)} training samples")
     run_log = RunLog(is_logger, args.train_iters, pos.iteration, args.log_interval, args.tensorboard_dir,
-                     args.log_json, progress_bar=not args.no_progress_bar)
+                     args.log_json, progress_bar=not args.no_progress_bar,
+                     run_json=os.path.join(args.save, "logs", "metrics.jsonl") if args.save else None)
     tokens_per_step = args.global_batch_size * args.seq_length
     saved_at = pos.iteration if plan.load else -1
     if pos.iteration >= args.train_iters:

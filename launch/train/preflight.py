@@ -66,6 +66,13 @@ def _current(path: Path, flag: str):
         raise PathError(f"{flag} {path}: {e}") from None
 
 
+LOGS = "logs"  # the job's text log and metrics in a --save directory (no checkpoint)
+
+
+def _nothing_there(path: Path) -> bool:
+    return all(p.name == LOGS for p in path.iterdir())
+
+
 def _load_dir_error(path: Path, optional: bool) -> Optional[str]:
     """Why `path` is no `--load` directory (None: it is one, or it is empty and --load-optional allows that)."""
     hint = "; --load-optional starts from iteration 0 when nothing is there"
@@ -82,10 +89,10 @@ def _load_dir_error(path: Path, optional: bool) -> Optional[str]:
     if below:
         names = ", ".join(str(p) for p in below[:3])
         return f"--load {path} holds no checkpoint, but {names} do{'es' if len(below) == 1 else ''}: did you mean --load {below[0]}?"
-    if optional and not any(path.iterdir()):
+    if optional and _nothing_there(path):
         return None
     return (f"--load {path} is not a checkpoint directory (no `{files.LATEST}` and no iter_NNNNNNN "
-            f"checkpoints){hint if not any(path.iterdir()) else ''}")
+            f"checkpoints){hint if _nothing_there(path) else ''}")
 
 
 def plan_resume(args) -> ResumePlan:

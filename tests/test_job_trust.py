@@ -249,3 +249,37 @@ def test_every_run_logs_text_and_metrics_under_its_save_directory(tmp_path):
     assert "iteration      2 | loss" in text and "iteration      3 | loss" in text, text[-3000:]
     assert f"resuming from --save {ck}" in text and "saved checkpoint at iteration 3" in text, text[-3000:]
     assert [r["iteration"] for r in _rows(ck / "logs" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):
+    """Piped, the job prints its interval lines and no tqdm bar; on a terminal (a pseudo-terminal here) the bar
+    shows as well."""
+    import pty
+
+    flags = [f for f in TINY if f != "--no-progress-bar"] + ["--train-iters", "3"]
+    _, out = _job(tmp_path, flags)
+    assert "iteration      3 | loss" in out and "it/s" not in out and "train:" not in out, out[-3000:]
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 0-column terminal: no bar
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
+           f"--master_port={_free_port()}", str(JOB), *flags]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # the terminal closed: every writer exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=600) == 0
+    out = b"".join(chunks).decode(errors="replace")
+    assert "train:" in out and "it/s" in out and "iteration      3 | loss" in out, out[-3000:]

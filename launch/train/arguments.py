@@ -145,7 +145,8 @@ def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=5)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-json", default=None, help="one JSON object per iteration")
-    g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--no-progress-bar", action="store_true",
+                   help="no tqdm bar on a terminal (piped output never has one: it gets the --log-interval lines)")
     g.add_argument("--verbose", action="store_true",
                    help="show every warning on every rank (by default rank 0 shows each once, and those expected "
                    "from megatron-core / torch here are hidden with one note naming them)")

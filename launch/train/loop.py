@@ -54,6 +54,14 @@ def _checkpoint_failure(err: Exception) -> int:
     return 1
 
 
+def _is_terminal(stream) -> bool:
+    """A progress bar only on a terminal; piped output (a log file, CI) gets the plain interval lines alone."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _open_text_log(args: RunArgs):
     """With --save: rank 0 and the logging rank copy what they print into `<save>/logs/train.log` (collective)."""
     from .metrics import TextLog, logging_rank
@@ -149,7 +157,7 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
         f"{args.fp8 or 'off'} ({args.fp8_recipe if args.fp8 else '-'}); {batches.num_microbatches} micro batches "
         f"of {args.micro_batch_size}; {len(dataset)} training samples")
     run_log = RunLog(is_logger, args.train_iters, pos.iteration, args.log_interval, args.tensorboard_dir,
-                     args.log_json, progress_bar=not args.no_progress_bar,
+                     args.log_json, progress_bar=not args.no_progress_bar and _is_terminal(sys.stderr),
                      run_json=os.path.join(args.save, "logs", "metrics.jsonl") if args.save else None)
     tokens_per_step = args.global_batch_size * args.seq_length
     saved_at = pos.iteration if plan.load else -1

@@ -36,6 +36,14 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def iteration_of(name: str) -> int:
+    """The iteration in a checkpoint directory name (`iter_0000005` -> 5)."""
+    match = _NAME.match(name)
+    if not match:
+        raise CheckpointFileError(f"{name!r} is not a checkpoint directory name (iter_NNNNNNN)")
+    return int(match.group(1))
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` so that a reader sees the old file or the new one, never a partial one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -157,6 +165,31 @@ def publish(tmp_dir: Path, final_dir: Path) -> None:
     write_atomic(root / LATEST, final_dir.name + "\n")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def clean(root: Path, keep_last: Optional[int] = None) -> List[str]:
+    """After a save made `latest` current: remove what killed saves left (`iter_N.tmp` directories, `iter_N.old`
+    copies, `.latest.tmp-PID` files) and, with `keep_last`, all but the newest `keep_last` complete checkpoints
+    (never the one `latest` names). Returns a note per removal. Call it on one rank, with no other save running
+    into `root` (one job per save directory)."""
+    current = read_latest(root)
+    if current is None or not (root / current / MANIFEST).is_file():
+        return []  # nothing is safely current: keep everything
+    notes = []
+    for p in sorted(root.iterdir()):
+        leftover = (p.is_dir() and (p.name.endswith(".tmp") or p.name.endswith(".old"))
+                    and _NAME.match(p.name[:-4])) or (p.is_file() and p.name.startswith(f".{LATEST}.tmp-"))
+        if leftover:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            notes.append(f"removed {p.name} (left by a save that did not finish)")
+    if keep_last:
+        complete = sorted((p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()),
+                          key=lambda p: iteration_of(p.name))
+        for p in complete[:-keep_last]:
+            if p.name != current:
+                shutil.rmtree(p, ignore_errors=True)
+                notes.append(f"removed {p.name} (--keep-last {keep_last})")
+    return notes
 
 
 # ---- pickles megatron's loader would read: allow only plain data classes ----------------------------------

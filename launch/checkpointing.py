@@ -71,6 +71,38 @@ def _test_pause(stage: str) -> None:
             time.sleep(float(seconds or 600))
 
 
+def _io_failures() -> tuple:
+    """What checkpoint I/O may raise: every Exception, and torch.distributed.checkpoint's CheckpointException,
+    which derives from BaseException (KeyboardInterrupt and SystemExit still propagate)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+_IO_FAILURES = _io_failures()
+
+
+def _describe_failure(err: BaseException) -> str:
+    """`Type: message`, for DCP's CheckpointException each failed rank's first error (it names the file)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, exc in sorted(failures.items())[:2]:
+            inner = exc.exc if hasattr(exc, "exc") else exc  # a wrapped remote exception
+            if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+                inner = inner[0]  # (exception, traceback frames), as DCP keeps a rank's failure
+            parts.append(f"rank {rank}: {type(inner).__name__}: {_text(inner)}")
+        more = f" (and {len(failures) - 2} more ranks)" if len(failures) > 2 else ""
+        return f"{type(err).__name__}: " + "; ".join(parts) + more
+    return f"{type(err).__name__}: {_text(err)}"
+
+
+def _text(err: BaseException) -> str:
+    filename = getattr(err, "filename", None)
+    text = " ".join(str(err).split())
+    return text if not filename or str(filename) in text else f"{text} ({filename})"
+
+
 def _agree(error: Optional[str]) -> None:
     """Collective: raise CheckpointError on every rank if any rank reports an error (rank 0's text first)."""
     flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=cs.collective_device())
@@ -99,8 +131,8 @@ def _on_rank0(fn: Callable[[], None]) -> None:
     if dist.get_rank() == 0:
         try:
             fn()
-        except Exception as e:  # reported on every rank
-            error = f"{type(e).__name__}: {e}"
+        except _IO_FAILURES as e:  # reported on every rank
+            error = _describe_failure(e)
     _agree(error)
 
 
@@ -129,13 +161,19 @@ def save_checkpoint(
     optimizer: Any,
     scheduler: Any,
     run_args: Dict[str, Any],
+    overwrite: bool = False,
+    keep_last: Optional[int] = None,
 ) -> None:
     """Save model, optimizer, scheduler, FP8 state, RNG states and `state` under `save_dir` (collective).
 
     Written to `iter_N.tmp`, then made current (renamed to `iter_N`, `latest` updated) only when complete.
+    A save older than the checkpoint `latest` names is refused unless `overwrite` (it would move `latest`
+    back). After a save, leftovers of killed saves are removed, and with `keep_last` all but the newest
+    `keep_last` complete checkpoints.
 
     Raises:
-        CheckpointError: invalid arguments, or a write that failed on any rank (on every rank).
+        CheckpointError: invalid arguments, a save older than `latest` without `overwrite`, or a write that
+            failed on any rank (on every rank); the previous checkpoint stays current and loadable.
     """
     from megatron.core import dist_checkpointing
 
@@ -148,6 +186,10 @@ def save_checkpoint(
 
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
+        current = files.read_latest(root)
+        if current is not None and files.iteration_of(current) > state.iteration and not overwrite:
+            raise CheckpointError(f"{root / files.LATEST} names {current}, newer than iteration {state.iteration}: "
+                                  "saving would move it back (pass overwrite=True / --overwrite)")
         if tmp.exists():  # left by a save that was killed
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -169,8 +211,8 @@ def save_checkpoint(
         error = None
         try:
             dist_checkpointing.save(sd, str(tmp), validate_access_integrity=True)
-        except Exception as e:  # noqa: BLE001 - reported on every rank
-            error = f"dist_checkpointing.save into {tmp} failed: {type(e).__name__}: {e}"
+        except _IO_FAILURES as e:  # DCP's CheckpointException is a BaseException; reported on every rank
+            error = f"dist_checkpointing.save into {tmp} failed: {_describe_failure(e)}"
         _agree(error)
     lay = cs.layout()
     meta = {
@@ -201,6 +243,9 @@ def save_checkpoint(
     except CheckpointError as e:
         raise CheckpointError(f"cannot save to {save_dir}: {e}") from None
     _log(f"saved iteration {state.iteration} to {final} ({cs.describe(lay)})")
+    if dist.get_rank() == 0:
+        for note in files.clean(root, keep_last):
+            _log(note)
     dist.barrier()
 
 
@@ -210,6 +255,7 @@ def load_checkpoint(  # noqa: C901
     optimizer: Any,
     scheduler: Any,
     run_args: Dict[str, Any],
+    override_scheduler: bool = False,
 ) -> Optional[TrainState]:
     """Load the latest complete checkpoint under `load_dir` into the given objects (collective).
 
@@ -287,8 +333,8 @@ def load_checkpoint(  # noqa: C901
         error = None
         try:
             loaded = dist_checkpointing.load(sd, str(ckpt), validate_access_integrity=True)
-        except Exception as e:  # noqa: BLE001 - reported on every rank
-            error = f"cannot load checkpoint {ckpt} ({layouts}): {type(e).__name__}: {e}"
+        except _IO_FAILURES as e:  # DCP's CheckpointException is a BaseException; reported on every rank
+            error = f"cannot load checkpoint {ckpt} ({layouts}): {_describe_failure(e)}"
         _agree(error)
         try:
             for i, chunk in enumerate(model):
@@ -301,6 +347,7 @@ def load_checkpoint(  # noqa: C901
     if optimizer is not None and not meta["has_optimizer"]:
         _log(f"checkpoint {ckpt.name} has no optimizer state: the optimizer starts fresh")
     if scheduler is not None and meta.get("scheduler") is not None:
+        _log_schedule_choice(scheduler, meta["scheduler"], override_scheduler)
         scheduler.load_state_dict(meta["scheduler"])
     if same_layout:
         cs.restore_rng(cs.rng_row_to_blob(loaded["rng"]))
@@ -308,6 +355,27 @@ def load_checkpoint(  # noqa: C901
         _log(f"layout changed ({layouts}): RNG states are not restored")
     _log(f"loaded iteration {meta['iteration']} from {ckpt} ({layouts})")
     return TrainState(meta["iteration"], meta["consumed_samples"], dict(meta.get("extra") or {}))
+
+
+# OptimizerParamScheduler's values that megatron checks against the checkpoint's (its state_dict keys)
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
+                  "wd_incr_steps", "wd_incr_style")
+
+
+def _log_schedule_choice(scheduler: Any, saved: Dict[str, Any], override: bool) -> None:
+    """Say which LR / weight-decay schedule values differ between this run and the checkpoint, and whose win
+    (megatron's `override_opt_param_scheduler` / `use_checkpoint_opt_param_scheduler`)."""
+    mine = scheduler.state_dict()
+    diffs = [f"{k} {saved[k]!r} (this run {mine[k]!r})" for k in _SCHEDULE_KEYS
+             if k in saved and k in mine and saved[k] != mine[k]]
+    if not diffs:
+        return
+    if override:
+        _log("LR schedule: this run's values replace the checkpoint's (--override-opt-param-scheduler): checkpoint "
+             + ", ".join(diffs))
+    else:
+        _log("LR schedule: the checkpoint's values win over this run's flags: " + ", ".join(diffs)
+             + "; --override-opt-param-scheduler uses this run's")
 
 
 def _run_fp8(model: List[torch.nn.Module], run_args: Dict[str, Any]) -> Optional[str]:

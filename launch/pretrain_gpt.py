@@ -22,16 +22,44 @@ if _REPO not in sys.path:
 # it falls back to torch. The job says it once, on rank 0.
 _FALLBACK = r".*(Transformer ?Engine|Apex)\b.*(are|is) not installed"
 
+# Third-party warnings expected with megatron-core 0.16 on torch 2.13 without a GPU, none about this job's
+# own calls: hidden (one note on rank 0 says which), `--verbose` shows them. (what, message regex)
+EXPECTED_WARNINGS = (
+    ("megatron-core's imports use deprecated torch.jit / its own moved modules",
+     r"(`torch\.jit\.script_method` is deprecated|The following imports from `dynamic_context\.py`)"),
+    ("megatron-core's MLP and config defaults (ffn_hidden_size from the config, cuda_graph_scope 'full')",
+     r"(MLP requires ffn_hidden_size, but it was not provided|full scope is deprecated)"),
+    ("megatron-core's DDP / distributed optimizer call torch's renamed collectives "
+     "(all_gather_into_tensor, reduce_scatter_tensor)",
+     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+    ("megatron-core's dist_checkpointing uses torch.distributed.checkpoint's load_state_dict and ShardedTensor",
+     r"(`load_state_dict` is deprecated and will be removed|Please use DTensor instead and we are deprecating "
+     r"ShardedTensor)"),
+    ("megatron-core's indexed dataset passes copy=False to numpy",
+     r"__array__ implementation doesn't accept a copy keyword"),
+    ("megatron-core's sequence-parallel CUDA_DEVICE_MAX_CONNECTIONS advice (GPU only)",
+     r"When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS"),
+    # megatron's distributed optimizer reads `.grad` of its shard views in zero_grad (harmless: it clears them)
+    ("megatron-core's distributed optimizer reads .grad of non-leaf shard views",
+     r"The \.grad attribute of a Tensor that is not a leaf Tensor"),
+)
 
-def _filter_megatron_warnings(rank: int) -> None:
-    """Rank 0 shows each warning once; other ranks would repeat the same ones, so they show none."""
+
+def _filter_megatron_warnings(rank: int, verbose: bool = False) -> None:
+    """Rank 0 shows each warning once; other ranks would repeat the same ones, so they show none. The expected
+    third-party warnings are hidden with one note on rank 0; `verbose`: every warning on every rank."""
+    if verbose:
+        warnings.simplefilter("default")
+        return
     warnings.simplefilter("once" if rank == 0 else "ignore")
     warnings.filterwarnings("ignore", message=_FALLBACK)
-    # megatron's distributed optimizer reads `.grad` of its shard views in zero_grad (harmless: it clears them)
-    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
+    for _, pattern in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     if rank == 0:
         import importlib.util
 
+        print("warnings: hiding those expected from third-party code here (--verbose shows them): "
+              + "; ".join(what for what, _ in EXPECTED_WARNINGS), flush=True)
         missing = [name for name, module in (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
                    if importlib.util.find_spec(module) is None]
         if missing:
@@ -39,29 +67,46 @@ def _filter_megatron_warnings(rank: int) -> None:
                           "norms, multi-tensor ops); this job's FP8 layers do not need them", stacklevel=1)
 
 
+def _usage_error(rank: int, err: Exception) -> int:
+    """An argument or path error: one line from rank 0, exit status 2, before any process group exists.
+
+    The other ranks print nothing; they wait for torchrun to stop them once rank 0 has exited, so that rank 0's
+    line is not cut off by torchrun ending the group at the first failed rank."""
+    if rank == 0:
+        text = " ".join(str(err).split())
+        print(f"pretrain_gpt.py: error: {text}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        import time
+
+        time.sleep(60)
+    return 2
+
+
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    _filter_megatron_warnings(rank)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _filter_megatron_warnings(rank, verbose="--verbose" in argv)
     import torch
 
     from launch.train.arguments import ArgumentError, embedded_default_argv, parse_args
     from launch.train.datapath import DataError, check_data_path
+    from launch.train.preflight import PathError, plan_resume
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    preset = embedded_default_argv(world, gpu=torch.cuda.is_available())
     if not argv:
-        argv = embedded_default_argv(world, gpu=torch.cuda.is_available())
+        argv = preset
         if rank == 0:
             print("no flags: the embedded default run: " + " ".join(argv), flush=True)
     try:
-        args = parse_args(argv, world_size=world)
+        args = parse_args(argv, world_size=world, preset=preset)
         check_data_path(args.data_path)
-    except (ArgumentError, DataError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        plan = plan_resume(args)
+    except (ArgumentError, DataError, PathError) as err:
+        return _usage_error(rank, err)
     from launch.train.loop import run
 
-    return run(args)
+    return run(args, plan)
 
 
 if __name__ == "__main__":

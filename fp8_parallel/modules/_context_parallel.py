@@ -14,6 +14,8 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
+from ._collectives import all_gather_single, reduce_scatter_single
+
 
 def chunk_indices(cp_size: int, cp_rank: int) -> Tuple[int, int]:
     """The two sequence chunks (of `2 * cp_size`) that CP rank `cp_rank` holds, in the order it holds them."""
@@ -39,14 +41,14 @@ class _AllGatherRows(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+        all_gather_single(out, local.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         world = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._collectives import all_gather_single, reduce_scatter_single
+
 from ..group_state import PerGroup
 from ..tensor import Float8Tensor
 
@@ -14,13 +16,13 @@ def all_gather_fp8(local: Float8Tensor, group) -> Float8Tensor:
     data = local._data.reshape(-1, local._data.shape[-1])
     full = torch.empty((data.shape[0] * dist.get_world_size(group), data.shape[1]), dtype=torch.uint8,
                        device=data.device)
-    dist.all_gather_into_tensor(full, data.view(torch.uint8).contiguous(), group=group)
+    all_gather_single(full, data.view(torch.uint8).contiguous(), group=group)
     return Float8Tensor(full.view(data.dtype), local._scale_inv, local.dtype)
 
 
 def reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    reduce_scatter_single(out, t.contiguous(), group=group)
     return out
 
 

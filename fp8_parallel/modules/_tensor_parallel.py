@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._collectives import all_gather_single, reduce_scatter_single
+
 MODES = (None, "column", "row")
 
 
@@ -115,7 +117,7 @@ def mark_sequence_parallel(params, sequence_parallel: bool) -> None:
 def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out
 
 
@@ -125,7 +127,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"sequence parallel: first dimension {x.shape[0]} is not divisible by the tensor-parallel "
                          f"size {size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

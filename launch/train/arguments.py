@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 
@@ -16,11 +19,45 @@ class ArgumentError(ValueError):
     """Flags that describe no runnable job; the message names the flag and its value."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ArgumentError (the caller prints it once, from rank 0) instead of exiting on every
+    rank, suggests the closest flag for a mistyped one, and prints `--help` on rank 0 only."""
+
+    def error(self, message: str):
+        raise ArgumentError(message + _did_you_mean(message, self))
+
+    def print_help(self, file=None) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: Optional[str] = None):
+        if message and int(os.environ.get("RANK", "0")) == 0:
+            self._print_message(message, sys.stderr)
+        sys.exit(status)
+
+
+def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --num-layers?' for each unknown `--flag` in argparse's message (Python 3.11's argparse
+    has no suggest_on_error)."""
+    if "unrecognized arguments:" not in message:
+        return ""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for token in message.split("unrecognized arguments:", 1)[1].split():
+        if token.startswith("--"):
+            close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{token}: did you mean {close[0]}?")
+    return ("; " + "; ".join(hints)) if hints else ""
+
+
+def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining with FP8 on megatron-core (torchrun entry point). With no flags: the "
-        "embedded default run (on 4 ranks: TP2 x PP2, MoE with EP2, FP8, generated corpus).",
+        "embedded default run (on 4 ranks: TP2 x PP2, MoE with EP2, FP8, generated corpus); each flag's "
+        "'no-flag run' value is what it uses on this many ranks. Any flag given replaces that whole preset: the "
+        "flags not given take their 'default'.",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -85,12 +122,40 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="a checkpoint directory (the --save directory of an earlier run); anything else is an "
+                   "error unless --load-optional. Without --load, a --save directory that holds checkpoints is "
+                   "resumed from")
+    g.add_argument("--load-optional", action="store_true",
+                   help="start from iteration 0 when --load is missing or holds no complete checkpoint (use it "
+                   "with torchrun --max-restarts and --load equal to --save)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="let saves replace newer checkpoints in --save and move its `latest` back; without "
+                   "--load, start from scratch instead of resuming from --save")
+    g.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep only the N newest checkpoints in --save (default: keep all)")
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume, the LR / weight-decay schedule of this run's flags replaces the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, the checkpoint's LR / weight-decay schedule wins over this run's flags (what "
+                   "the job does without either flag; the log names each value the checkpoint decided)")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=5)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-json", default=None, help="one JSON object per iteration")
-    g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--no-progress-bar", action="store_true",
+                   help="no tqdm bar on a terminal (piped output never has one: it gets the --log-interval lines)")
+    g.add_argument("--verbose", action="store_true",
+                   help="show every warning on every rank (by default rank 0 shows each once, and those expected "
+                   "from megatron-core / torch here are hidden with one note naming them)")
+    if preset is not None:  # --help also shows what the no-flag run uses, where it differs from the default
+        ran = vars(_parser().parse_args(list(preset)))
+        for action in p._actions:
+            if action.dest in ran and ran[action.dest] != action.default:
+                value = " ".join(map(str, ran[action.dest])) if isinstance(ran[action.dest], list) else ran[action.dest]
+                action.help = (action.help + "; " if action.help else "") + f"no-flag run: {value}"
     for action in p._actions:  # --help shows every default
         if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
                 and "default" not in (action.help or ""):
@@ -139,13 +204,14 @@ def embedded_default_argv(world_size: int, gpu: bool) -> List[str]:
     return argv + (["--bf16", "--cuda-graph"] if gpu else [])
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1) -> RunArgs:
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1,
+               preset: Optional[Sequence[str]] = None) -> RunArgs:
     """Parse and validate the flags for a job of `world_size` ranks.
 
     Raises:
         ArgumentError: a size or setting that does not fit (the message names the flag and value).
     """
-    v = vars(_parser().parse_args(argv))
+    v = vars(_parser(preset if argv and ("--help" in argv or "-h" in argv) else None).parse_args(argv))
     v["fp8"] = v.pop("fp8_format")
     v["ffn_hidden_size"] = v["ffn_hidden_size"] or 4 * v["hidden_size"]
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
@@ -229,6 +295,17 @@ def validate(v: Dict[str, Any], world_size: int) -> int:  # noqa: C901
         raise ArgumentError(f"--save-interval={v['save_interval']}: must be >= 1")
     if v["exit_interval"] is not None and v["exit_interval"] < 1:
         raise ArgumentError(f"--exit-interval={v['exit_interval']}: must be >= 1")
+    if v["max_position_embeddings"] < v["seq_length"]:
+        raise ArgumentError(f"--max-position-embeddings={v['max_position_embeddings']} is smaller than "
+                            f"--seq-length={v['seq_length']}: positions past it have no embedding")
+    if v["exit_interval"] is not None and not v["save"]:
+        raise ArgumentError(f"--exit-interval={v['exit_interval']} without --save: the run would stop without a "
+                            "checkpoint to resume from")
+    if v["keep_last"] is not None and v["keep_last"] < 1:
+        raise ArgumentError(f"--keep-last={v['keep_last']}: must be >= 1")
+    if v["override_opt_param_scheduler"] and v["use_checkpoint_opt_param_scheduler"]:
+        raise ArgumentError("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                            "each other: give one")
     if v["min_lr"] > v["lr"]:
         raise ArgumentError(f"--min-lr={v['min_lr']} is larger than --lr={v['lr']}")
     return dp

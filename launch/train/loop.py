@@ -20,17 +20,19 @@ class Position:
     consumed_samples: int = 0
 
 
-def _load(args: RunArgs, model, optimizer, scheduler, say) -> Position:
-    """Resume from the latest complete checkpoint under `--load` (none there: start at iteration 0)."""
-    if not args.load:
+def _load(args: RunArgs, plan, model, optimizer, scheduler, say) -> Position:
+    """Resume from the checkpoint directory the pre-flight checks chose (`plan.load`; None: iteration 0)."""
+    if plan.note:
+        say(plan.note)
+    if plan.load is None:
         return Position()
-    from launch.checkpointing import load_checkpoint
+    from launch.checkpointing import CheckpointError, load_checkpoint
 
-    state = load_checkpoint(args.load, model, optimizer, scheduler, args.as_dict())
-    if state is None:
-        say(f"no complete checkpoint in {args.load}: starting from iteration 0")
-        return Position()
-    say(f"resumed from {args.load} at iteration {state.iteration} (sample {state.consumed_samples})")
+    state = load_checkpoint(plan.load, model, optimizer, scheduler, args.as_dict(),
+                            override_scheduler=args.override_opt_param_scheduler)
+    if state is None:  # removed since the pre-flight checks
+        raise CheckpointError(f"cannot load from {plan.load}: its checkpoint disappeared since the job started")
+    say(f"resumed from {plan.load} at iteration {state.iteration} (sample {state.consumed_samples})")
     return Position(state.iteration, state.consumed_samples)
 
 
@@ -38,7 +40,7 @@ def _save(args: RunArgs, pos: Position, model, optimizer, scheduler, say, extra:
     from launch.checkpointing import TrainState, save_checkpoint
 
     save_checkpoint(args.save, TrainState(pos.iteration, pos.consumed_samples, extra), model, optimizer, scheduler,
-                    args.as_dict())
+                    args.as_dict(), overwrite=args.overwrite, keep_last=args.keep_last)
     say(f"saved checkpoint at iteration {pos.iteration} to {args.save}")
 
 
@@ -52,8 +54,34 @@ def _checkpoint_failure(err: Exception) -> int:
     return 1
 
 
-def run(args: RunArgs) -> int:
-    """Train `args.train_iters` iterations (from the checkpoint in `--load`, if any); returns the exit code."""
+def _is_terminal(stream) -> bool:
+    """A progress bar only on a terminal; piped output (a log file, CI) gets the plain interval lines alone."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _open_text_log(args: RunArgs):
+    """With --save: rank 0 and the logging rank copy what they print into `<save>/logs/train.log` (collective)."""
+    from .metrics import TextLog, logging_rank
+
+    log_rank = logging_rank()
+    if not args.save or dist.get_rank() not in (0, log_rank):
+        return None
+    text_log = TextLog(os.path.join(args.save, "logs", "train.log"))
+    if dist.get_rank() == log_rank:
+        print(f"log: {os.path.join(args.save, 'logs', 'train.log')} and metrics.jsonl beside it", flush=True)
+    return text_log
+
+
+def run(args: RunArgs, plan=None) -> int:
+    """Train `args.train_iters` iterations from where `plan` (`preflight.plan_resume`) says; returns the exit
+    code."""
+    if plan is None:
+        from .preflight import plan_resume
+
+        plan = plan_resume(args)
     started = init_process_group()
     ps.initialize(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -62,18 +90,22 @@ def run(args: RunArgs) -> int:
     )
     from launch.checkpointing import CheckpointError
 
+    text_log = None
     try:
         with ps.cpu_compat():
-            return _train(args)
+            text_log = _open_text_log(args)
+            return _train(args, plan)
     except CheckpointError as err:
         return _checkpoint_failure(err)
     finally:
+        if text_log is not None:
+            text_log.close()
         ps.destroy()
         if started and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(args: RunArgs) -> int:  # noqa: C901
+def _train(args: RunArgs, plan) -> int:  # noqa: C901
     from megatron.core import parallel_state as mpu
 
     from .data import StepBatches, build_train_dataset
@@ -98,7 +130,7 @@ def _train(args: RunArgs) -> int:  # noqa: C901
     dataset = build_train_dataset(args, tokenizer)
     batches = StepBatches(dataset, args.micro_batch_size, args.global_batch_size,
                           mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-    pos = _load(args, model, optimizer, scheduler, say)
+    pos = _load(args, plan, model, optimizer, scheduler, say)
     # again: a loaded checkpoint's groups carry their own setting (and on the CPU no fused kernels are wanted)
     if use_fused_torch_adam(optimizer, fused=torch.cuda.is_available()):
         say("optimizer: torch's fused Adam kernels (megatron fell back to torch's Adam)")
@@ -125,9 +157,13 @@ def _train(args: RunArgs) -> int:  # noqa: C901
         f"{args.fp8 or 'off'} ({args.fp8_recipe if args.fp8 else '-'}); {batches.num_microbatches} micro batches "
         f"of {args.micro_batch_size}; {len(dataset)} training samples")
     run_log = RunLog(is_logger, args.train_iters, pos.iteration, args.log_interval, args.tensorboard_dir,
-                     args.log_json, progress_bar=not args.no_progress_bar)
+                     args.log_json, progress_bar=not args.no_progress_bar and _is_terminal(sys.stderr),
+                     run_json=os.path.join(args.save, "logs", "metrics.jsonl") if args.save else None)
     tokens_per_step = args.global_batch_size * args.seq_length
-    saved_at = pos.iteration if args.load else -1
+    saved_at = pos.iteration if plan.load else -1
+    if pos.iteration >= args.train_iters:
+        say(f"nothing to train: the checkpoint is at iteration {pos.iteration} = --train-iters; a larger "
+            "--train-iters extends the run")
     last_loss = None
     try:
         while pos.iteration < args.train_iters:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -97,12 +98,14 @@ class RunLog:
     """Progress bar, interval log lines, TensorBoard scalars and JSON lines; active on the logging rank only."""
 
     def __init__(self, active: bool, train_iters: int, start_iteration: int, log_interval: int,
-                 tensorboard_dir: Optional[str], log_json: Optional[str], progress_bar: bool):
+                 tensorboard_dir: Optional[str], log_json: Optional[str], progress_bar: bool,
+                 run_json: Optional[str] = None):
         self.active = active
         self.log_interval = log_interval
         self.bar = None
         self.tb = None
         self.json = None
+        self.run_json = None
         if not active:
             return
         if progress_bar:
@@ -116,6 +119,9 @@ class RunLog:
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
             self.json = open(log_json, "a", buffering=1)
+        if run_json and (not log_json or os.path.abspath(run_json) != os.path.abspath(log_json)):
+            os.makedirs(os.path.dirname(os.path.abspath(run_json)), exist_ok=True)
+            self.run_json = open(run_json, "a", buffering=1)  # the save directory's metrics (logs/metrics.jsonl)
 
     def write(self, text: str) -> None:
         if not self.active:
@@ -130,8 +136,9 @@ class RunLog:
         if not self.active:
             return
         it = row["iteration"]
-        if self.json is not None:
-            self.json.write(json.dumps(row) + "\n")
+        for out in (self.json, self.run_json):
+            if out is not None:
+                out.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "iteration" and value is not None:
@@ -154,12 +161,49 @@ class RunLog:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
-        if self.json is not None:
-            self.json.close()
+        for out in (self.json, self.run_json):
+            if out is not None:
+                out.close()
 
 
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+class TextLog:
+    """Copies this process's stdout and stderr lines into `path` (appending; one file may be shared by two
+    ranks: lines are appended whole). `close()` puts the streams back."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.file = open(path, "a", buffering=1)
+        self.streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
+
+    def close(self) -> None:
+        sys.stdout, sys.stderr = self.streams
+        self.file.close()
+
+
+class _Tee:
+    def __init__(self, stream, file):
+        self.stream, self.file, self.pending = stream, file, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.pending += text
+        if "\n" in self.pending:  # whole lines only (a progress bar's carriage returns stay out)
+            lines, self.pending = self.pending.rsplit("\n", 1)
+            kept = [line.rsplit("\r", 1)[-1] for line in lines.split("\n")]
+            self.file.write("".join(line + "\n" for line in kept if line.strip()))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 class StepTimer:

@@ -207,5 +207,8 @@ def build_optimizer(args, model: List[torch.nn.Module]) -> Tuple[object, Optimiz
         lr_warmup_steps=warmup, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
         wd_incr_style="constant",
+        # megatron's pair: on resume the checkpoint's schedule wins unless --override-opt-param-scheduler
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
     )
     return optimizer, scheduler

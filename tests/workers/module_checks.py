@@ -204,14 +204,15 @@ def check_sp_fp8_gather_equals_bf16_gather():
     fc1.fp8_input_gather = True
     recipe = fp.DelayedScaling(amax_history_len=4)
     gathered = []
-    original = dist.all_gather_into_tensor
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # what we call
+    original = getattr(dist, name)
 
     def counting(out, inp, *args, **kwargs):
         gathered.append(out.dtype)
         return original(out, inp, *args, **kwargs)
 
     gen = torch.Generator().manual_seed(test_seed())
-    dist.all_gather_into_tensor = counting
+    setattr(dist, name, counting)
     try:
         for step in range(3):
             x = torch.randn(TOKENS // 2, 2, D, generator=gen)
@@ -236,7 +237,7 @@ def check_sp_fp8_gather_equals_bf16_gather():
             fc1(x.chunk(2, dim=0)[ps.get_rank("tp")])
         assert torch.uint8 not in gathered, gathered
     finally:
-        dist.all_gather_into_tensor = original
+        setattr(dist, name, original)
 
 
 def check_weight_caching():

@@ -1,0 +1,285 @@
+"""The training job refuses what would lose or mix up work, and says so once: `--load` paths that are no
+checkpoint directory, resuming from `--save` by default, saves that would replace newer checkpoints, the LR
+schedule on resume, refused resumes, `--save` checked at start, checkpoint retention, checkpoint write faults,
+and argument errors (real torchrun launches of launch/pretrain_gpt.py on CPU/gloo, tiny models)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from launcher import REPO, _free_port
+
+JOB = REPO / "launch" / "pretrain_gpt.py"
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "1",
+        "--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--log-interval", "1", "--no-progress-bar"]
+ERROR = "pretrain_gpt.py: error:"
+
+
+def _env(tmp_path: Path) -> Dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[int] = 0,
+         file_size_limit: Optional[int] = None) -> Tuple[int, str]:
+    """Run the job under torchrun; returns (exit status, output). `file_size_limit` (bytes): RLIMIT_FSIZE of
+    the job, so that a write past it fails with EFBIG (Python ignores SIGXFSZ), a real I/O fault."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           f"--master_port={_free_port()}", str(JOB), *flags]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit if file_size_limit else None)
+    out = proc.stdout + proc.stderr
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, f"exit {proc.returncode}, expected {expect_rc}:\n{out[-8000:]}"
+    return proc.returncode, out
+
+
+def _refused(tmp_path: Path, flags: List[str], *needles: str, nproc: int = 1) -> str:
+    """The job exits before training with one error line naming `needles` (exit status 2 from the rank)."""
+    rc, out = _job(tmp_path, flags, nproc=nproc, expect_rc=None)
+    assert rc != 0, out[-5000:]
+    lines = [line for line in out.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1, f"expected one error line, got {lines}:\n{out[-5000:]}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    assert "exitcode  : 2" in out or rc == 2, out[-5000:]
+    assert "| loss " not in out and "job:" not in out, f"it trained:\n{out[-5000:]}"
+    job_frames = [line for line in out.splitlines() if line.strip().startswith('File "') and str(REPO) in line]
+    assert not job_frames, f"a traceback from the job:\n{out[-5000:]}"
+    return lines[0]
+
+
+def _rows(log: Path) -> List[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _latest(root: Path) -> str:
+    return (root / "latest").read_text().strip()
+
+
+def test_load_path_must_be_a_checkpoint_directory(tmp_path):
+    """--load of a missing path, a parent directory, one checkpoint's own directory or an empty directory is
+    an error (exit 2, one line) instead of a run from scratch; --load-optional starts from iteration 0 where
+    nothing is there."""
+    ck = tmp_path / "runs" / "ck"
+    _job(tmp_path, TINY + ["--train-iters", "2", "--save", str(ck)])
+    (tmp_path / "empty").mkdir()
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(tmp_path / "ckk")], "no such directory",
+                   "--load-optional"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(tmp_path / "runs")],
+                   f"did you mean --load {ck}?"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(ck / "iter_0000002")],
+                   "is one checkpoint", f"--load {ck}"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(tmp_path / "empty"), "--save", str(ck)],
+                   "not a checkpoint directory"))
+    assert _latest(ck) == "iter_0000002"
+    _, out = _job(tmp_path, TINY + ["--train-iters", "2", "--load", str(tmp_path / "fresh"), "--load-optional",
+                                    "--save", str(tmp_path / "fresh")])
+    assert "no complete checkpoint there (--load-optional): starting from iteration 0" in out, out[-3000:]
+    _, out = _job(tmp_path, TINY + ["--train-iters", "3", "--load", str(ck), "--load-optional", "--save", str(ck)])
+    assert "resumed from" in out and "at iteration 2" in out, out[-3000:]
+
+
+def test_save_directory_resumes_by_default_and_train_iters_extends(tmp_path):
+    """Re-running a command with --save resumes from its checkpoint (no --load needed); a larger --train-iters
+    extends the run; the same command once more has nothing to train and exits 0."""
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    flags = TINY + ["--save", str(ck), "--log-json", str(log)]
+    _job(tmp_path, flags + ["--train-iters", "2"])
+    _, out = _job(tmp_path, flags + ["--train-iters", "4"])
+    assert f"resuming from --save {ck}" in out and "at iteration 2" in out, out[-3000:]
+    assert [r["iteration"] for r in _rows(log)] == [1, 2, 3, 4]
+    assert _latest(ck) == "iter_0000004"
+    _, out = _job(tmp_path, flags + ["--train-iters", "4"])
+    assert "nothing to train" in out and "| loss " not in out, out[-3000:]
+    assert [r["iteration"] for r in _rows(log)] == [1, 2, 3, 4]
+
+
+def test_lr_schedule_on_resume_follows_megatrons_flag_pair(tmp_path):
+    """On resume the checkpoint's schedule wins by default (megatron-core's use_checkpoint_opt_param_scheduler)
+    and the log names the values it decided; --override-opt-param-scheduler takes this run's flags; both
+    flags together are refused."""
+    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
+    flags = TINY + ["--save", str(ck), "--log-json", str(log), "--lr", "1e-2", "--min-lr", "1e-3"]
+    _job(tmp_path, flags + ["--train-iters", "2"])
+    _, out = _job(tmp_path, flags + ["--train-iters", "4"])
+    lines = [line for line in out.splitlines() if "LR schedule:" in line]
+    assert len(lines) == 1 and "the checkpoint's values win" in lines[0], out[-3000:]
+    assert "lr_decay_steps 2 (this run 4)" in lines[0], lines
+    lr = {r["iteration"]: r["lr"] for r in _rows(log)}
+    assert abs(lr[3] - 1e-3) < 1e-9 and abs(lr[4] - 1e-3) < 1e-9, lr  # decayed by 2: at --min-lr
+    _, out = _job(tmp_path, flags + ["--train-iters", "8", "--override-opt-param-scheduler"])
+    lines = [line for line in out.splitlines() if "LR schedule:" in line]
+    assert len(lines) == 1 and "this run's values replace the checkpoint's" in lines[0], out[-3000:]
+    lr = {r["iteration"]: r["lr"] for r in _rows(log)}
+    assert lr[5] > 2e-3, lr  # cosine over 8 iterations: well above --min-lr at iteration 5
+    print(_refused(tmp_path, flags + ["--train-iters", "9", "--override-opt-param-scheduler",
+                                      "--use-checkpoint-opt_param-scheduler"], "contradict"))
+
+
+def test_saves_never_replace_a_newer_checkpoint_without_overwrite(tmp_path):
+    """A run that starts at iteration 2 (--load) and saves into a directory whose `latest` is iteration 4 is
+    refused before training; with --overwrite it saves and `latest` moves back as asked."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _job(tmp_path, TINY + ["--train-iters", "4", "--save-interval", "2", "--save", str(a)])
+    _job(tmp_path, TINY + ["--train-iters", "2", "--save", str(b)])
+    print(_refused(tmp_path, TINY + ["--train-iters", "3", "--load", str(b), "--save", str(a)],
+                   f"--save {a} holds checkpoint iter_0000004", "--overwrite"))
+    assert _latest(a) == "iter_0000004"
+    _, out = _job(tmp_path, TINY + ["--train-iters", "3", "--load", str(b), "--save", str(a), "--overwrite"])
+    assert _latest(a) == "iter_0000003" and (a / "iter_0000004").is_dir(), sorted(p.name for p in a.iterdir())
+
+
+def test_resumes_that_cannot_continue_are_refused(tmp_path):
+    """--train-iters below the checkpoint's iteration, another FP8 format or recipe than the checkpoint's,
+    and --exit-interval without --save end the job before training, with one line."""
+    ck = tmp_path / "ck"
+    _job(tmp_path, TINY + ["--train-iters", "3", "--save", str(ck)])
+    print(_refused(tmp_path, TINY + ["--train-iters", "2", "--save", str(ck)], "--train-iters=2 is below",
+                   "iteration 3"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(ck), "--fp8-format", "e4m3"],
+                   "--fp8-format e4m3", "--fp8-format hybrid"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--load", str(ck), "--fp8-recipe", "tensorwise"],
+                   "--fp8-recipe tensorwise", "--fp8-recipe delayed"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "4", "--exit-interval", "2"], "--exit-interval=2 without --save"))
+    assert _latest(ck) == "iter_0000003"
+
+
+def test_save_directory_is_checked_for_writing_at_start(tmp_path):
+    """A --save that is a file, or lies below one, ends the job before it trains (exit 2, one line)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    print(_refused(tmp_path, TINY + ["--train-iters", "2", "--save", str(blocker)], f"--save {blocker} is a file"))
+    print(_refused(tmp_path, TINY + ["--train-iters", "2", "--save", str(blocker / "ck")], "is not writable"))
+
+
+def test_keep_last_and_leftovers_of_killed_saves(tmp_path):
+    """--keep-last 2 keeps the two newest checkpoints; what killed saves left (iter_N.tmp, iter_N.old,
+    .latest.tmp-PID) is removed after the next complete save."""
+    ck = tmp_path / "ck"
+    (ck / "iter_0000009.tmp").mkdir(parents=True)
+    (ck / "iter_0000001.old").mkdir()
+    (ck / ".latest.tmp-12345").write_text("iter_0000009\n")
+    _, out = _job(tmp_path, TINY + ["--train-iters", "4", "--save-interval", "1", "--save", str(ck),
+                                    "--keep-last", "2"])
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000004", "latest", "logs"], out[-3000:]
+    assert "removed iter_0000009.tmp" in out and "removed iter_0000002 (--keep-last 2)" in out, out[-3000:]
+
+
+def test_checkpoint_write_fault_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """A save whose files cannot be written (the job's file size limited below a shard's size: EFBIG inside
+    torch.distributed.checkpoint's writer, raised as its CheckpointException, a BaseException) ends the job
+    with exit status 1 and one line naming the save directory and the failed rank's error; `latest` still names the
+    previous checkpoint, and the next run resumes from it."""
+    ck = tmp_path / "ck"
+    flags = TINY + ["--train-iters", "4", "--save", str(ck)]
+    _job(tmp_path, flags + ["--exit-interval", "2"])  # the data index cache is written here, not below
+    limit = min(p.stat().st_size for p in (ck / "iter_0000002").glob("*.distcp")) // 2
+    _, out = _job(tmp_path, flags, expect_rc=1, file_size_limit=limit)
+    lines = [line for line in out.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1, out[-5000:]
+    assert "iter_0000004.tmp failed: CheckpointException: rank 0:" in lines[0], lines[0]  # the OS error's text varies
+    job_frames = [line for line in out.splitlines() if line.strip().startswith('File "') and str(REPO) in line]
+    assert not job_frames, f"a traceback from the job:\n{out[-5000:]}"
+    assert _latest(ck) == "iter_0000002"
+    _, out = _job(tmp_path, flags)
+    assert "at iteration 2" in out and _latest(ck) == "iter_0000004", out[-3000:]
+    assert not (ck / "iter_0000004.tmp").exists()
+
+
+def test_usage_errors_come_once_from_rank_0(tmp_path):
+    """On 2 ranks: a mistyped flag names the closest one, --max-position-embeddings below --seq-length is
+    named, each once (rank 0) with exit status 2 and no traceback from the job; --help prints once and shows
+    the new flags and the values of the no-flag run on these ranks."""
+    print(_refused(tmp_path, TINY + ["--num-layerz", "2"], "unrecognized arguments: --num-layerz",
+                   "did you mean --num-layers?", nproc=2))
+    print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
+    print(_refused(tmp_path, TINY + ["--global-batch-size", "4", "--max-position-embeddings", "8"], "--max-position-embeddings=8",
+                   "--seq-length=16", nproc=2))
+    _, out = _job(tmp_path, ["--help"], nproc=2)
+    assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
+    assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out
+    flat = " ".join(out.split())
+    assert "--num-experts NUM_EXPERTS MoE experts (absent = dense); no-flag run: 4" in flat, out[-4000:]
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE no-flag run: 2; default: 1" in flat
+
+
+def _warnings(out: str) -> List[str]:
+    return [line for line in out.splitlines() if "Warning: " in line and "TransformerEngine and Apex missing" not in line]
+
+
+def test_no_warnings_but_a_note_and_verbose_shows_them(tmp_path):
+    """A TP2 + sequence-parallel FP8 run that saves, and one that resumes, print no warnings (our collectives
+    use torch's current names; third-party warnings expected here are hidden, named once in a note on rank
+    0); --verbose shows them."""
+    ck = tmp_path / "ck"
+    flags = TINY + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4",
+                    "--train-iters", "2", "--save", str(ck)]
+    _, out = _job(tmp_path, flags + ["--exit-interval", "1"], nproc=2)
+    _, out2 = _job(tmp_path, flags, nproc=2)
+    assert "resuming from --save" in out2, out2[-3000:]
+    for text in (out, out2):
+        assert not _warnings(text), _warnings(text)
+        assert text.count("warnings: hiding those expected from third-party code here (--verbose shows") == 1
+    _, out = _job(tmp_path, flags + ["--verbose", "--overwrite", "--train-iters", "1"], nproc=2)
+    shown = _warnings(out)
+    assert any("all_gather_into_tensor` is deprecated" in w for w in shown), shown
+    assert "warnings: hiding" not in out
+
+
+def test_every_run_logs_text_and_metrics_under_its_save_directory(tmp_path):
+    """With --save (no --log-json), the run's lines go to <save>/logs/train.log and one JSON object per
+    iteration to <save>/logs/metrics.jsonl; a resumed run appends to both."""
+    ck = tmp_path / "ck"
+    flags = TINY + ["--global-batch-size", "4", "--save", str(ck)]
+    _job(tmp_path, flags + ["--train-iters", "2"], nproc=2)
+    _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
+    text = (ck / "logs" / "train.log").read_text()
+    assert "iteration      2 | loss" in text and "iteration      3 | loss" in text, text[-3000:]
+    assert f"resuming from --save {ck}" in text and "saved checkpoint at iteration 3" in text, text[-3000:]
+    assert [r["iteration"] for r in _rows(ck / "logs" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):
+    """Piped, the job prints its interval lines and no tqdm bar; on a terminal (a pseudo-terminal here) the bar
+    shows as well."""
+    import pty
+
+    flags = [f for f in TINY if f != "--no-progress-bar"] + ["--train-iters", "3"]
+    _, out = _job(tmp_path, flags)
+    assert "iteration      3 | loss" in out and "it/s" not in out and "train:" not in out, out[-3000:]
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 0-column terminal: no bar
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
+           f"--master_port={_free_port()}", str(JOB), *flags]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # the terminal closed: every writer exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=600) == 0
+    out = b"".join(chunks).decode(errors="replace")
+    assert "train:" in out and "it/s" in out and "iteration      3 | loss" in out, out[-3000:]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
-from rank_checks import run_checks, test_seed
+from rank_checks import run_checks, test_seed, exit_now
 
 ps.initialize(tp=1, pp=1, ep=2)
 
@@ -104,3 +104,4 @@ def _check(moe: bool):
 
 run_checks([("amax_collectives_dense_match_model", _check(False)), ("amax_collectives_moe_match_model", _check(True))])
 ps.destroy()
+exit_now()  # skip finalization: see exit_now

@@ -29,7 +29,7 @@ import parallel_state as ps
 from differential_common import (
     CHAIN_GRAD_TOL, HP_TOL, LAYER_GRAD_TOL, LAYER_OUT_TOL, assert_within, errors, fails_within, weight_scale_inv_off,
 )
-from rank_checks import run_checks, test_seed
+from rank_checks import run_checks, test_seed, exit_now
 
 # Delayed scaling casts with the amaxes of earlier steps, and every step here draws fresh random data (a few
 # dozen tokens), whose amax can grow ~2x over the history's: with margin 0 those values saturated (seed
@@ -517,3 +517,4 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown mode {MODE!r}: expected 'tp' or 'layer'")
     run_checks(CHECKS)
     ps.destroy()
+    exit_now()  # skip finalization: see exit_now

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import fp8_parallel as fp
 import parallel_state as ps
-from rank_checks import run_checks, test_seed
+from rank_checks import run_checks, test_seed, exit_now
 
 MODE = sys.argv[1] if sys.argv[1] in ("stack", "dropout", "dropout-eager", "ddp") else "schedule"
 STACK = MODE == "stack"
@@ -545,22 +545,23 @@ if __name__ == "__main__":
                        functools.partial(_check_ddp_graphs_with_fused_wgrad_accumulation, d, acc))
                       for n, d in dtypes.items() for acc in (False, True)])
         ps.destroy()
-        sys.exit(0)
+        exit_now()
     if MODE == "dropout":
         run_checks([("graph_safe_tracker_dropout_captures", _check_graph_safe_tracker_dropout),
                     ("plain_tracker_refused_before_capture", _check_plain_tracker_refused)])
         ps.destroy()
-        sys.exit(0)
+        exit_now()
     if MODE == "dropout-eager":
         run_checks([("graphed_dropout_layer_matches_eager", _check_dropout_layer_matches_eager)])
         ps.destroy()
-        sys.exit(0)
+        exit_now()
     if STACK:
         run_checks([("graphed_stack_matches_eager", _compare_stack(False)),
                     ("graphed_stack_cached_weights_matches_eager", _compare_stack(True))])
         ps.destroy()
-        sys.exit(0)
+        exit_now()
     tag = f"tp{TP}_pp{PP}_vpp{VPP or 0}"
     run_checks([(f"graphed_layers_match_plain_{tag}", _compare(False)),
                 (f"graphed_layers_cached_weights_match_plain_{tag}", _compare(True))])
     ps.destroy()
+    exit_now()  # skip finalization: see exit_now

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
-from rank_checks import run_checks, test_seed
+from rank_checks import run_checks, test_seed, exit_now
 
 ps.initialize(tp=2, pp=2, vpp=2)
 
@@ -227,3 +227,4 @@ if __name__ == "__main__":
     ]
     run_checks([c for c in checks if len(sys.argv) < 2 or c[0] in sys.argv[1:]])
     ps.destroy()
+    exit_now()  # skip finalization: see exit_now

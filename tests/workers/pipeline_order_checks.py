@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import parallel_state as ps
 from fp8_parallel.pipeline import capture_order
-from rank_checks import run_checks
+from rank_checks import run_checks, exit_now
 import toy_pipeline as toy
 
 
@@ -90,3 +90,4 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     run_checks([("capture_order_matches_megatron_schedule", check_orders_match_megatron_schedule)])
     dist.destroy_process_group()
+    exit_now()  # skip finalization: see exit_now

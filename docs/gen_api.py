@@ -94,7 +94,11 @@ def main(argv: List[str]) -> int:
     if "--check" in argv:
         current = OUT.read_text() if OUT.exists() else ""
         if current != text:
-            print(f"{OUT.name} is out of date: run python3 docs/gen_api.py", file=sys.stderr)
+            import difflib
+
+            diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(), OUT.name, "generated now",
+                                             lineterm="", n=1))
+            print(f"{OUT.name} is out of date: run python3 docs/gen_api.py\n" + "\n".join(diff[:60]), file=sys.stderr)
             return 1
         return 1 if missing else 0
     OUT.write_text(text)

@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
 #ifdef FP8P_WITH_CUDA
@@ -527,12 +529,30 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
 
 }  // namespace fp8p
 
+namespace {
+
+// An entry point whose errors (ours and ATen's) reach Python as RuntimeError with the message alone. pybind11's
+// default translation calls c10::Error::what(), which symbolizes the C++ backtrace; where this module's
+// pybind11 does not share torch's translators (another compiler or ABI tag), that crashed on some machines.
+template <typename R, typename... Args>
+auto plain_errors(R (*fn)(Args...)) {
+  return [fn](Args... args) -> R {
+    try {
+      return fn(std::forward<Args>(args)...);
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(e.what_without_backtrace());
+    }
+  };
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fp8_parallel's compiled host path: FP8 cast and FP8 linear forward / backward";
-  m.def("cast_into", &fp8p::cast_into, "fused FP8 cast into given outputs");
-  m.def("linear_fwd", &fp8p::linear_fwd, "one FP8 linear's forward");
-  m.def("linear_bwd", &fp8p::linear_bwd, "one FP8 linear's backward");
-  m.def("experts_bwd", &fp8p::experts_bwd, "the per-expert backward GEMMs of a grouped call");
+  m.def("cast_into", plain_errors(&fp8p::cast_into), "fused FP8 cast into given outputs");
+  m.def("linear_fwd", plain_errors(&fp8p::linear_fwd), "one FP8 linear's forward");
+  m.def("linear_bwd", plain_errors(&fp8p::linear_bwd), "one FP8 linear's backward");
+  m.def("experts_bwd", plain_errors(&fp8p::experts_bwd), "the per-expert backward GEMMs of a grouped call");
 #ifdef FP8P_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -59,8 +59,15 @@ def exit_now(code: int = 0) -> None:
     """End the rank after its teardown without running interpreter finalization.
 
     Call after `destroy_process_group`: modules that still hold the group would otherwise destroy gloo's
-    worker threads during finalization, which at times aborts a rank whose checks all passed.
+    worker threads during finalization, which at times aborts a rank whose checks all passed. The rank's
+    multiprocessing children (megatron's checkpoint-writer manager) are stopped first, as finalization would
+    have; they would otherwise outlive it and hold the launch's output open.
     """
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=10)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

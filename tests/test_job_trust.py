@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from launcher import REPO, _free_port
+from launcher import REPO, _free_port, job_argv
 
 JOB = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -36,7 +36,7 @@ def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[i
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--master_port={_free_port()}", str(JOB), *flags]
+           f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600,
                           preexec_fn=limit if file_size_limit else None)
     out = proc.stdout + proc.stderr
@@ -92,13 +92,18 @@ def test_load_path_must_be_a_checkpoint_directory(tmp_path):
 
 
 def test_save_directory_resumes_by_default_and_train_iters_extends(tmp_path):
-    """Re-running a command with --save resumes from its checkpoint (no --load needed); a larger --train-iters
-    extends the run; the same command once more has nothing to train and exits 0."""
-    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
-    flags = TINY + ["--save", str(ck), "--log-json", str(log)]
-    _job(tmp_path, flags + ["--train-iters", "2"])
+    """The README's flow on the default preset (1 rank here: the same small FP8 MoE GPT, TP1): re-running the
+    command resumes from the preset's --save (no --load needed); a larger --train-iters alone extends the run,
+    every other setting still the preset's; the same command once more has nothing to train and exits 0."""
+    ck, log = tmp_path / "checkpoints" / "gpt_default", tmp_path / "run.jsonl"
+    flags = ["--preset", "default", "--log-json", str(log), "--log-interval", "1", "--no-progress-bar"]
+    _, out = _job(tmp_path, flags + ["--train-iters", "2"])
+    plan = [line for line in out.splitlines() if line.startswith("run (preset default)")]
+    assert len(plan) == 1 and "MoE 4 experts top-2" in plan[0] and "FP8 hybrid delayed" in plan[0], out[-3000:]
+    assert "saves to checkpoints/gpt_default" in plan[0] and "from iteration 0" in plan[0], plan
     _, out = _job(tmp_path, flags + ["--train-iters", "4"])
-    assert f"resuming from --save {ck}" in out and "at iteration 2" in out, out[-3000:]
+    assert "resuming from --save checkpoints/gpt_default" in out, out[-3000:]
+    assert "resuming checkpoints/gpt_default at iteration 2" in out and "MoE 4 experts" in out, out[-3000:]
     assert [r["iteration"] for r in _rows(log)] == [1, 2, 3, 4]
     assert _latest(ck) == "iter_0000004"
     _, out = _job(tmp_path, flags + ["--train-iters", "4"])
@@ -201,18 +206,23 @@ def test_checkpoint_write_fault_is_one_line_and_keeps_the_previous_checkpoint(tm
 def test_usage_errors_come_once_from_rank_0(tmp_path):
     """On 2 ranks: a mistyped flag names the closest one, --max-position-embeddings below --seq-length is
     named, each once (rank 0) with exit status 2 and no traceback from the job; --help prints once and shows
-    the new flags and the values of the no-flag run on these ranks."""
+    the new flags, the presets and the values a run of the chosen preset uses on these ranks."""
     print(_refused(tmp_path, TINY + ["--num-layerz", "2"], "unrecognized arguments: --num-layerz",
                    "did you mean --num-layers?", nproc=2))
     print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
     print(_refused(tmp_path, TINY + ["--global-batch-size", "4", "--max-position-embeddings", "8"], "--max-position-embeddings=8",
                    "--seq-length=16", nproc=2))
-    _, out = _job(tmp_path, ["--help"], nproc=2)
+    _, out = _job(tmp_path, ["--preset", "default", "--help"], nproc=2)
     assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
     assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out
     flat = " ".join(out.split())
-    assert "--num-experts NUM_EXPERTS MoE experts (absent = dense); no-flag run: 4" in flat, out[-4000:]
-    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE no-flag run: 2; default: 1" in flat
+    assert "--num-experts NUM_EXPERTS MoE experts (absent or 0: dense); default: 4" in flat, out[-4000:]
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 2" in flat  # the preset's on 2 ranks
+    assert "'gpu1': a GPT-2-small-sized" in flat and "this run: default" in flat
+    assert "warnings: hiding" not in out and "Warning" not in out, out[-3000:]  # --help alone: no warnings
+    _, out = _job(tmp_path, ["--preset", "none", "--help"], nproc=2)
+    flat = " ".join(out.split())
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 1" in flat and "this run: none" in flat
 
 
 def _warnings(out: str) -> List[str]:
@@ -266,7 +276,7 @@ def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 0-column terminal: no bar
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
-           f"--master_port={_free_port()}", str(JOB), *flags]
+           f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=follower,
                             stderr=follower)
     os.close(follower)

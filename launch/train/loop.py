@@ -11,6 +11,7 @@ import torch.distributed as dist
 import parallel_state as ps
 
 from .arguments import RunArgs
+from .children import tie_children_to_this_rank
 from .elastic import init_process_group
 
 
@@ -82,6 +83,7 @@ def run(args: RunArgs, plan=None) -> int:
         from .preflight import plan_resume
 
         plan = plan_resume(args)
+    tie_children_to_this_rank(saves=bool(args.save))
     started = init_process_group()
     ps.initialize(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,

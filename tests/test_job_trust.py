@@ -1,10 +1,12 @@
 """The training job refuses what would lose or mix up work, and says so once: `--load` paths that are no
 checkpoint directory, resuming from `--save` by default, saves that would replace newer checkpoints, the LR
 schedule on resume, refused resumes, `--save` checked at start, checkpoint retention, checkpoint write faults,
-and argument errors (real torchrun launches of launch/pretrain_gpt.py on CPU/gloo, tiny models)."""
+and argument errors; and what every run writes under its save directory (logs, metrics, TensorBoard events,
+its plot). Real torchrun launches of launch/pretrain_gpt.py on CPU/gloo, tiny models."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import subprocess
@@ -248,17 +250,110 @@ def test_no_warnings_but_a_note_and_verbose_shows_them(tmp_path):
     assert "warnings: hiding" not in out
 
 
+RUN_FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_s", "memory_peak_mib")
+ROLE_FIGURES = tuple(f"fp8_{role}_{what}" for role in ("input", "weight", "grad")
+                     for what in ("scale_min", "scale_max", "amax_min", "amax_max"))
+
+
+def _scalar_tags(event_dir: Path) -> Dict[str, List[int]]:
+    """The scalar tags of the TensorBoard event files in `event_dir`, each with the steps it holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_dir))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _assert_finite_figures(rows: List[dict], keys: Tuple[str, ...]) -> None:
+    for row in rows:
+        for key in keys:
+            assert isinstance(row.get(key), (int, float)) and math.isfinite(row[key]), (key, row.get(key))
+
+
+def _panels(fig) -> List[Tuple[str, List[str]]]:
+    """(title, legend texts) of each panel of a figure of launch/plot_run.py."""
+    return [(ax.get_title(), [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [])
+            for ax in fig.axes]
+
+
+def _scale_ratios(rows: List[dict], role: str) -> Dict[str, float]:
+    """Per layer name, from the JSON rows alone: the ratio of the largest to the smallest recorded scale of its
+    FP8 tensor of `role` (fwd row 0 input, fwd row 1 weight, bwd row 0 grad)."""
+    direction, index = {"input": ("fwd", 0), "weight": ("fwd", 1), "grad": ("bwd", 0)}[role]
+    seen: Dict[str, List[float]] = {}
+    for row in rows:
+        for name, state in (row.get("fp8_layers") or {}).items():
+            if name.endswith(f".fp8.{direction}"):
+                seen.setdefault(name[: -len(f".fp8.{direction}")], []).append(state["scale"][index])
+    return {name: max(v) / min(v) for name, v in seen.items()}
+
+
 def test_every_run_logs_text_and_metrics_under_its_save_directory(tmp_path):
-    """With --save (no --log-json), the run's lines go to <save>/logs/train.log and one JSON object per
-    iteration to <save>/logs/metrics.jsonl; a resumed run appends to both."""
+    """With --save (no --log-json), the run's lines go to <save>/logs/train.log, one JSON object per iteration
+    to <save>/logs/metrics.jsonl and TensorBoard events to <save>/logs/tensorboard; a resumed run appends to
+    them. The figures include model TFLOP/s, peak memory and, with FP8, scale / amax ranges per role; at the end
+    the job draws <save>/logs/run.png: the loss, and amax / scale panels per role with the tensors whose scale
+    moved most named."""
     ck = tmp_path / "ck"
     flags = TINY + ["--global-batch-size", "4", "--save", str(ck)]
     _job(tmp_path, flags + ["--train-iters", "2"], nproc=2)
-    _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
+    _, out = _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
     text = (ck / "logs" / "train.log").read_text()
     assert "iteration      2 | loss" in text and "iteration      3 | loss" in text, text[-3000:]
     assert f"resuming from --save {ck}" in text and "saved checkpoint at iteration 3" in text, text[-3000:]
-    assert [r["iteration"] for r in _rows(ck / "logs" / "metrics.jsonl")] == [1, 2, 3]
+    assert "TFLOP/s " in text and " MiB | fp8 nonfinite amax 0" in text, text[-3000:]
+    rows = _rows(ck / "logs" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    _assert_finite_figures(rows, RUN_FIGURES + ROLE_FIGURES)
+    for row in rows:  # the role ranges cover the run-wide scale range
+        assert min(row[f"fp8_{r}_scale_min"] for r in ("input", "weight", "grad")) == row["fp8_scale_min"], row
+        assert max(row[f"fp8_{r}_scale_max"] for r in ("input", "weight", "grad")) == row["fp8_scale_max"], row
+    tags = _scalar_tags(ck / "logs" / "tensorboard")
+    for key in RUN_FIGURES + ROLE_FIGURES:
+        assert tags.get(f"train/{key}") == [1, 2, 3], (key, sorted(tags))
+    assert f"plot: {ck / 'logs' / 'run.png'}" in out, out[-3000:]
+    assert (ck / "logs" / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from launch.plot_run import figure
+
+    panels = _panels(figure(str(ck / "logs" / "metrics.jsonl")))
+    assert [title for title, _ in panels] == ["loss"] + [
+        f"FP8 {role}: {kind} of 4 tensors" for role in ("input", "weight", "grad")
+        for kind in ("amax (newest)", "scale")], panels
+    for (title, legend), role in zip(panels[1:], ("input", "input", "weight", "weight", "grad", "grad")):
+        assert legend[:2] == [f"{role}: min-max", f"{role}: median"], (title, legend)
+    # the first tensor named in the input and grad panels is the one whose scale moved most (from the rows)
+    for index, role in ((2, "input"), (6, "grad")):
+        ratios = _scale_ratios(rows, role)
+        top = max(ratios, key=ratios.get)
+        assert ratios[top] > 1 and panels[index][1][2].startswith(f"{top} (scale moved x"), (ratios, panels[index])
+
+
+def test_fp8_off_run_logs_figures_and_plots_the_loss_alone(tmp_path):
+    """Without FP8 the run's metrics and TensorBoard events hold the run's figures and no FP8 ones, and its plot
+    (at the end of the job, and from launch/plot_run.py on the metrics file) is the loss panel alone."""
+    ck = tmp_path / "ck"
+    at = TINY.index("--fp8-format")
+    no_fp8 = TINY[:at] + TINY[at + 4:]  # without --fp8-format hybrid --fp8-amax-history-len 4
+    assert "--fp8-format" not in no_fp8 and "--fp8-amax-history-len" not in no_fp8
+    _job(tmp_path, no_fp8 + ["--train-iters", "2", "--save", str(ck)])
+    rows = _rows(ck / "logs" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2]
+    _assert_finite_figures(rows, RUN_FIGURES)
+    assert not [k for r in rows for k in r if k.startswith("fp8")], rows[-1]
+    tags = _scalar_tags(ck / "logs" / "tensorboard")
+    assert all(tags.get(f"train/{key}") == [1, 2] for key in RUN_FIGURES), sorted(tags)
+    assert not [t for t in tags if "fp8" in t], sorted(tags)
+    assert (ck / "logs" / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = tmp_path / "again.png"
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "plot_run.py"), str(ck / "logs" / "metrics.jsonl"),
+                           str(png)], capture_output=True, text=True, timeout=300, env=_env(tmp_path))
+    assert proc.returncode == 0 and "loss; FP8 off" in proc.stdout, proc.stdout + proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from launch.plot_run import figure
+
+    assert _panels(figure(str(ck / "logs" / "metrics.jsonl"))) == [("loss (FP8 off: no FP8 panels)", [])]
 
 
 def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):

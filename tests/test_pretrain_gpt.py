@@ -317,8 +317,8 @@ def test_tp2_run_json_log_and_plot(tmp_path):
     rows = _rows(log)
     assert [r["iteration"] for r in rows] == list(range(1, 9)), out[-3000:]
     for r in rows:
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "fp8_nonfinite_amax", "fp8_scale_min",
-                    "fp8_scale_max", "fp8_scopes_opened", "fp8_scopes_reduced"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_s", "memory_peak_mib", "step_ms",
+                    "fp8_nonfinite_amax", "fp8_scale_min", "fp8_scale_max", "fp8_scopes_opened", "fp8_scopes_reduced"):
             assert r[key] is not None, (key, r)
         assert r["fp8_nonfinite_amax"] == 0 and r["fp8_scopes_reduced"] == r["fp8_scopes_opened"] == 2 * 4, r
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-2 and rows[-1]["lr"] < rows[1]["lr"], "warm-up, then decay"
@@ -338,6 +338,13 @@ def test_tp2_run_json_log_and_plot(tmp_path):
     assert checked >= 3 * len(layers) // 2, (checked, layers)  # forward input and weight, backward grad
     scales = [s for state in layers.values() for s in state["scale"]]
     assert rows[-1]["fp8_scale_min"] <= min(scales) and rows[-1]["fp8_scale_max"] >= max(scales), rows[-1]
+    # the per-role ranges are those of the role's tensors in `fp8_layers` (amaxes: the tensors that ran)
+    for role, (direction, index) in {"input": (".fwd", 0), "weight": (".fwd", 1), "grad": (".bwd", 0)}.items():
+        of_role = [state for name, state in layers.items() if name.endswith(direction)]
+        role_scales = [state["scale"][index] for state in of_role]
+        role_amaxes = [state["amax"][index] for state in of_role if state["amax"][index] > 0]
+        got = [rows[-1][f"fp8_{role}_{k}"] for k in ("scale_min", "scale_max", "amax_min", "amax_max")]
+        assert got == [min(role_scales), max(role_scales), min(role_amaxes), max(role_amaxes)], (role, got)
     _assert_falls(rows, 0.8)
     assert "iteration      2 | loss" in out and "scopes reduced" in out
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
@@ -345,7 +352,51 @@ def test_tp2_run_json_log_and_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "plot_run.py"), str(log), str(png)],
                           capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"loss and {3 * len(layers) // 2} FP8 tensors by role" in proc.stdout, proc.stdout
     assert png.stat().st_size > 10000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_flops_estimate_counts_the_gemms():
+    """The model-FLOPs estimate is 3 x (forward GEMMs) per token: QKV, output projection, attention scores and
+    values, the MLP's two GEMMs (per routed expert), the router, and the output layer."""
+    from launch.train.metrics import training_flops_per_iteration
+
+    L, h, f, s, V, B, E, k = 2, 8, 16, 4, 32, 3, 4, 2
+    dense_layer = 2 * h * 3 * h + 2 * h * h + 2 * s * h + 2 * s * h + 2 * h * f + 2 * f * h
+    want = 3 * B * s * (L * dense_layer + 2 * h * V)
+    assert training_flops_per_iteration(L, h, f, s, V, B) == want
+    moe_layer = dense_layer + k * (2 * h * f + 2 * f * h) - (2 * h * f + 2 * f * h) + 2 * h * E
+    want = 3 * B * s * (L * moe_layer + 2 * h * V)
+    assert training_flops_per_iteration(L, h, f, s, V, B, experts=E, topk=k) == want
+
+
+def test_missing_tensorboard_is_one_note(monkeypatch, tmp_path, capsys):
+    """Without tensorboard installed, the run log says so once and goes on without events."""
+    from launch.train.metrics import RunLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` raises ImportError
+    log = RunLog(True, 2, 0, 1, str(tmp_path / "tb"), None, progress_bar=False)
+    log.record({"iteration": 1, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                "tflops_per_s": 1.0, "step_ms": 1.0, "memory_peak_mib": 1.0})
+    log.close()
+    out = capsys.readouterr().out
+    assert out.count("note: tensorboard is not installed") == 1 and "iteration      1 | loss" in out, out
+    assert not (tmp_path / "tb").exists()
+
+
+def test_plot_of_an_older_fp8_off_log_has_no_fp8_panels(tmp_path):
+    """A log that recorded FP8 state without FP8 (every amax 0, every scale 1, as the job's logs did before
+    FP8-off runs left it out) is plotted as an FP8-off run: the loss panel alone."""
+    from launch.plot_run import figure, plot
+
+    log = tmp_path / "old.jsonl"
+    state = {"amax": [0.0, 0.0], "scale": [1.0, 1.0]}
+    rows = [{"iteration": i, "loss": 5.0 - i, "fp8_scopes_opened": 0,
+             "fp8_layers": {f"layer0{n}/mlp.linear_fc1.fp8.fwd": state for n in (1, 2)}} for i in (1, 2, 3)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = figure(str(log))
+    assert [ax.get_title() for ax in fig.axes] == ["loss (FP8 off: no FP8 panels)"]
+    assert plot(str(log), str(tmp_path / "old.png")) == 0
 
 
 def test_pp2_interleaved_run_with_graphed_layers(tmp_path):

@@ -42,7 +42,7 @@ def _port() -> int:
 
 def run_job(extra: List[str], steps: int, nproc: int, log: Path) -> List[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_port()}",
-           str(ROOT / "launch" / "pretrain_gpt.py"), *MODEL, "--train-iters", str(steps), "--log-json", str(log), *extra]
+           str(ROOT / "launch" / "pretrain_gpt.py"), "--preset", "none", *MODEL, "--train-iters", str(steps), "--log-json", str(log), *extra]
     print("+ " + " ".join(cmd[3:]), flush=True)
     proc = subprocess.run(cmd, cwd=log.parent, text=True, capture_output=True)
     if proc.returncode != 0:

@@ -1,12 +1,15 @@
 """GPT pretraining with FP8 on megatron-core's own training stack (torchrun entry point).
 
-    torchrun --nproc_per_node=4 launch/pretrain_gpt.py              # the embedded default run
-    torchrun --nproc_per_node=4 launch/pretrain_gpt.py --tensor-model-parallel-size 2 --fp8-format hybrid ...
+    torchrun --nproc_per_node=4 launch/pretrain_gpt.py                      # the README's run
+    torchrun --nproc_per_node=4 launch/pretrain_gpt.py --train-iters 200    # the same run, continued to 200
+    torchrun --nproc_per_node=1 launch/pretrain_gpt.py --preset gpu1        # one GPU
+    torchrun --nproc_per_node=2 launch/pretrain_gpt.py --preset none --tensor-model-parallel-size 2 ...
 
-Flags are megatron's (`--help`). With no flags the job runs its embedded default: on 4 ranks a small MoE GPT
-on TP2 x PP2 (EP2, expert TP 1) with FP8 (hybrid, delayed scaling) for 40 iterations on a generated Markov
-corpus (`launch/train/corpus.py`), saving a checkpoint to checkpoints/gpt_default; gloo on CPU, NCCL with
-bf16 and CUDA graphs on GPUs. The components live in `launch/train/`.
+Flags are megatron's (`--help`). A run starts from a preset and each flag changes only its own setting. The
+`default` preset: on 4 ranks a small MoE GPT on TP2 x PP2 (EP2, expert TP 1) with FP8 (hybrid, delayed
+scaling) for 40 iterations on a generated Markov corpus (`launch/train/corpus.py`), saving a checkpoint to
+checkpoints/gpt_default; gloo on CPU, NCCL with bf16 and CUDA graphs on GPUs. A save directory that holds
+checkpoints is resumed from. The components live in `launch/train/`.
 """
 from __future__ import annotations
 
@@ -42,12 +45,15 @@ EXPECTED_WARNINGS = (
     # megatron's distributed optimizer reads `.grad` of its shard views in zero_grad (harmless: it clears them)
     ("megatron-core's distributed optimizer reads .grad of non-leaf shard views",
      r"The \.grad attribute of a Tensor that is not a leaf Tensor"),
+    ("megatron-core's checkpoint writer forks its writers from a rank with threads (Python 3.12+)",
+     r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks"),
 )
 
 
-def _filter_megatron_warnings(rank: int, verbose: bool = False) -> None:
+def _filter_megatron_warnings(rank: int, verbose: bool = False, note: bool = True) -> None:
     """Rank 0 shows each warning once; other ranks would repeat the same ones, so they show none. The expected
-    third-party warnings are hidden with one note on rank 0; `verbose`: every warning on every rank."""
+    third-party warnings are hidden with one note on rank 0 (`note=False`: silently, as for `--help`);
+    `verbose`: every warning on every rank."""
     if verbose:
         warnings.simplefilter("default")
         return
@@ -55,7 +61,7 @@ def _filter_megatron_warnings(rank: int, verbose: bool = False) -> None:
     warnings.filterwarnings("ignore", message=_FALLBACK)
     for _, pattern in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    if rank == 0:
+    if rank == 0 and note:
         import importlib.util
 
         print("warnings: hiding those expected from third-party code here (--verbose shows them): "
@@ -86,24 +92,21 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     argv = list(sys.argv[1:] if argv is None else argv)
-    _filter_megatron_warnings(rank, verbose="--verbose" in argv)
+    _filter_megatron_warnings(rank, verbose="--verbose" in argv, note=not {"-h", "--help"} & set(argv))
     import torch
 
-    from launch.train.arguments import ArgumentError, embedded_default_argv, parse_args
+    from launch.train.arguments import ArgumentError, describe, parse_args
     from launch.train.datapath import DataError, check_data_path
     from launch.train.preflight import PathError, plan_resume
 
-    preset = embedded_default_argv(world, gpu=torch.cuda.is_available())
-    if not argv:
-        argv = preset
-        if rank == 0:
-            print("no flags: the embedded default run: " + " ".join(argv), flush=True)
     try:
-        args = parse_args(argv, world_size=world, preset=preset)
+        args = parse_args(argv, world_size=world, gpu=torch.cuda.is_available(), preset="default")
         check_data_path(args.data_path)
         plan = plan_resume(args)
     except (ArgumentError, DataError, PathError) as err:
         return _usage_error(rank, err)
+    if rank == 0:
+        print(describe(args, plan), flush=True)
     from launch.train.loop import run
 
     return run(args, plan)

@@ -47,6 +47,15 @@ def child_env(gpus: bool = False, **overrides: str) -> Dict[str, str]:
     return env
 
 
+def job_argv(flags: Iterable[str]) -> List[str]:
+    """The training job's flags for a test: a test that names its run's flags starts from megatron's defaults
+    (`--preset none` first), unless it picks a preset itself; no flags at all is the job's default preset."""
+    flags = list(flags)
+    if not flags or any(f == "--preset" or f.startswith("--preset=") for f in flags):
+        return flags
+    return ["--preset", "none", *flags]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

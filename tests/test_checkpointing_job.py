@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from launcher import REPO, _free_port, child_env
+from launcher import REPO, _free_port, child_env, job_argv
 from seeds import session_seed
 from launch import checkpoint_files as cf
 
@@ -62,16 +62,17 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 def _start(tmp_path: Path, nproc: int, flags: List[str], restarts: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--max-restarts={restarts}", f"--master_port={_free_port()}", str(JOB), *flags]
+           f"--max-restarts={restarts}", f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path),
                             start_new_session=True, cwd=str(tmp_path))
 
 
-def _finish(proc: subprocess.Popen, what: str, expect_rc: Optional[int] = 0, leftovers: Sequence[int] = ()) -> str:
-    """Wait for torchrun to exit, end what the launch left behind, and return its output.
+def _finish(proc: subprocess.Popen, what: str, expect_rc: Optional[int] = 0, helpers: Sequence[int] = ()) -> str:
+    """Wait for torchrun to exit and return its output (read on a thread, as `torchrun ... | tee` reads it).
 
-    torchrun's own session is killed once it has exited, and so are `leftovers` (processes outside it that
-    hold the output pipe open: a SIGKILLed rank's helpers, see the restart test); output is read on a thread."""
+    `helpers`: processes a SIGKILLed rank had started (see the restart test). Once torchrun has exited, the
+    output pipe must close and every helper must have ended by itself within 30 s; whatever is left of the
+    launch is killed in any case."""
     started, chunks = time.time(), []
     reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
     reader.start()
@@ -82,17 +83,22 @@ def _finish(proc: subprocess.Popen, what: str, expect_rc: Optional[int] = 0, lef
         proc.wait()
         raise AssertionError(f"{what} timed out:\n{''.join(chunks)[-20000:]}")
     finally:
+        reader.join(timeout=30)  # before anything is killed: the pipe closes when the last holder ends
+        open_after = reader.is_alive()
+        left = _still_running(helpers)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # leftovers of this launch only (its own session)
         except ProcessLookupError:
             pass
-        ended = _end_leftovers(leftovers)
+        _kill_all(left)
         reader.join(timeout=60)
     out = "".join(chunks)
     print(f"{what}: {time.time() - started:.1f} s, exit {proc.returncode}" +
-          (f"; ended {ended} leftover process(es) of the killed rank" if leftovers else ""))
+          (f"; {len(helpers)} helper process(es) of the killed rank, {len(left)} outlived it" if helpers else ""))
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"{what} exited {proc.returncode}:\n{out[-20000:]}"
+    assert not open_after, f"{what}: the output stayed open 30 s after torchrun exited:\n{out[-5000:]}"
+    assert not left, f"{what}: processes {left} started by the killed rank outlived it"
     return out
 
 
@@ -200,17 +206,28 @@ def _descendants(pid: int) -> List[int]:
     return out
 
 
-def _end_leftovers(pids: List[int]) -> int:
-    """SIGKILL those of `pids` still running (a killed rank's helpers: torchrun runs each rank in a session of
-    its own, so they outlive it and the launch); returns how many there were."""
-    alive = 0
+def _still_running(pids: Sequence[int]) -> List[int]:
+    """Those of `pids` alive (not zombies) 15 s from now at the latest: whatever is left then."""
+    deadline = time.time() + 15
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
+                    alive.append(pid)
+            except OSError:
+                pass
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _kill_all(pids: Sequence[int]) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
-            alive += 1
         except ProcessLookupError:
             pass
-    return alive
 
 
 def _worker_ranks(agent_pid: int) -> Dict[int, int]:
@@ -232,7 +249,9 @@ def _worker_ranks(agent_pid: int) -> Dict[int, int]:
 def test_job_restarts_after_a_rank_is_killed(tmp_path):
     """SIGKILL one rank mid-training under `torchrun --max-restarts=1` with --load equal to --save: torchrun
     restarts the job, which finds its latest complete checkpoint by itself, resumes there and finishes the
-    planned iterations; iterations run twice give bitwise the same loss."""
+    planned iterations; iterations run twice give bitwise the same loss. Nothing the killed rank started
+    (megatron's checkpoint-writer manager, its resource tracker) outlives it, and the output pipe closes when
+    torchrun exits, as `torchrun ... | tee log` needs."""
     seed = _seed() % 100_000 + 1
     victim_rank = random.Random(seed).randrange(4)
     print(f"job seed {seed}: killing rank {victim_rank}")
@@ -248,10 +267,11 @@ def test_job_restarts_after_a_rank_is_killed(tmp_path):
             if victim_rank in workers:
                 killed = workers[victim_rank]
                 helpers = _descendants(killed)  # megatron's checkpoint writer's manager and resource tracker
+                assert helpers, "the rank had started no helper processes: nothing to check"
                 os.kill(killed, signal.SIGKILL)
         time.sleep(0.2)
     assert killed is not None, "never reached iteration 3 with 4 workers"
-    out = _finish(proc, "job with a killed rank", leftovers=helpers)
+    out = _finish(proc, "job with a killed rank", helpers=helpers)
     assert "no complete checkpoint" in out, "the first attempt should have started fresh"
     resumed_at = [int(m) for m in re.findall(r"resumed from \S+ at iteration (\d+) ", out)]
     assert len(resumed_at) == 1 and resumed_at[0] >= 2 and resumed_at[0] % 2 == 0, (resumed_at, out[-5000:])

@@ -1,10 +1,12 @@
 """The training job refuses what would lose or mix up work, and says so once: `--load` paths that are no
 checkpoint directory, resuming from `--save` by default, saves that would replace newer checkpoints, the LR
 schedule on resume, refused resumes, `--save` checked at start, checkpoint retention, checkpoint write faults,
-and argument errors (real torchrun launches of launch/pretrain_gpt.py on CPU/gloo, tiny models)."""
+and argument errors; and what every run writes under its save directory (logs, metrics, TensorBoard events,
+its plot). Real torchrun launches of launch/pretrain_gpt.py on CPU/gloo, tiny models."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import subprocess
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from launcher import REPO, _free_port
+from launcher import REPO, _free_port, job_argv
 
 JOB = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -36,7 +38,7 @@ def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[i
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--master_port={_free_port()}", str(JOB), *flags]
+           f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600,
                           preexec_fn=limit if file_size_limit else None)
     out = proc.stdout + proc.stderr
@@ -92,13 +94,18 @@ def test_load_path_must_be_a_checkpoint_directory(tmp_path):
 
 
 def test_save_directory_resumes_by_default_and_train_iters_extends(tmp_path):
-    """Re-running a command with --save resumes from its checkpoint (no --load needed); a larger --train-iters
-    extends the run; the same command once more has nothing to train and exits 0."""
-    ck, log = tmp_path / "ck", tmp_path / "run.jsonl"
-    flags = TINY + ["--save", str(ck), "--log-json", str(log)]
-    _job(tmp_path, flags + ["--train-iters", "2"])
+    """The README's flow on the default preset (1 rank here: the same small FP8 MoE GPT, TP1): re-running the
+    command resumes from the preset's --save (no --load needed); a larger --train-iters alone extends the run,
+    every other setting still the preset's; the same command once more has nothing to train and exits 0."""
+    ck, log = tmp_path / "checkpoints" / "gpt_default", tmp_path / "run.jsonl"
+    flags = ["--preset", "default", "--log-json", str(log), "--log-interval", "1", "--no-progress-bar"]
+    _, out = _job(tmp_path, flags + ["--train-iters", "2"])
+    plan = [line for line in out.splitlines() if line.startswith("run (preset default)")]
+    assert len(plan) == 1 and "MoE 4 experts top-2" in plan[0] and "FP8 hybrid delayed" in plan[0], out[-3000:]
+    assert "saves to checkpoints/gpt_default" in plan[0] and "from iteration 0" in plan[0], plan
     _, out = _job(tmp_path, flags + ["--train-iters", "4"])
-    assert f"resuming from --save {ck}" in out and "at iteration 2" in out, out[-3000:]
+    assert "resuming from --save checkpoints/gpt_default" in out, out[-3000:]
+    assert "resuming checkpoints/gpt_default at iteration 2" in out and "MoE 4 experts" in out, out[-3000:]
     assert [r["iteration"] for r in _rows(log)] == [1, 2, 3, 4]
     assert _latest(ck) == "iter_0000004"
     _, out = _job(tmp_path, flags + ["--train-iters", "4"])
@@ -201,18 +208,23 @@ def test_checkpoint_write_fault_is_one_line_and_keeps_the_previous_checkpoint(tm
 def test_usage_errors_come_once_from_rank_0(tmp_path):
     """On 2 ranks: a mistyped flag names the closest one, --max-position-embeddings below --seq-length is
     named, each once (rank 0) with exit status 2 and no traceback from the job; --help prints once and shows
-    the new flags and the values of the no-flag run on these ranks."""
+    the new flags, the presets and the values a run of the chosen preset uses on these ranks."""
     print(_refused(tmp_path, TINY + ["--num-layerz", "2"], "unrecognized arguments: --num-layerz",
                    "did you mean --num-layers?", nproc=2))
     print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
     print(_refused(tmp_path, TINY + ["--global-batch-size", "4", "--max-position-embeddings", "8"], "--max-position-embeddings=8",
                    "--seq-length=16", nproc=2))
-    _, out = _job(tmp_path, ["--help"], nproc=2)
+    _, out = _job(tmp_path, ["--preset", "default", "--help"], nproc=2)
     assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
     assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out
     flat = " ".join(out.split())
-    assert "--num-experts NUM_EXPERTS MoE experts (absent = dense); no-flag run: 4" in flat, out[-4000:]
-    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE no-flag run: 2; default: 1" in flat
+    assert "--num-experts NUM_EXPERTS MoE experts (absent or 0: dense); default: 4" in flat, out[-4000:]
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 2" in flat  # the preset's on 2 ranks
+    assert "'gpu1': a GPT-2-small-sized" in flat and "this run: default" in flat
+    assert "warnings: hiding" not in out and "Warning" not in out, out[-3000:]  # --help alone: no warnings
+    _, out = _job(tmp_path, ["--preset", "none", "--help"], nproc=2)
+    flat = " ".join(out.split())
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 1" in flat and "this run: none" in flat
 
 
 def _warnings(out: str) -> List[str]:
@@ -238,17 +250,110 @@ def test_no_warnings_but_a_note_and_verbose_shows_them(tmp_path):
     assert "warnings: hiding" not in out
 
 
+RUN_FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_s", "memory_peak_mib")
+ROLE_FIGURES = tuple(f"fp8_{role}_{what}" for role in ("input", "weight", "grad")
+                     for what in ("scale_min", "scale_max", "amax_min", "amax_max"))
+
+
+def _scalar_tags(event_dir: Path) -> Dict[str, List[int]]:
+    """The scalar tags of the TensorBoard event files in `event_dir`, each with the steps it holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_dir))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _assert_finite_figures(rows: List[dict], keys: Tuple[str, ...]) -> None:
+    for row in rows:
+        for key in keys:
+            assert isinstance(row.get(key), (int, float)) and math.isfinite(row[key]), (key, row.get(key))
+
+
+def _panels(fig) -> List[Tuple[str, List[str]]]:
+    """(title, legend texts) of each panel of a figure of launch/plot_run.py."""
+    return [(ax.get_title(), [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [])
+            for ax in fig.axes]
+
+
+def _scale_ratios(rows: List[dict], role: str) -> Dict[str, float]:
+    """Per layer name, from the JSON rows alone: the ratio of the largest to the smallest recorded scale of its
+    FP8 tensor of `role` (fwd row 0 input, fwd row 1 weight, bwd row 0 grad)."""
+    direction, index = {"input": ("fwd", 0), "weight": ("fwd", 1), "grad": ("bwd", 0)}[role]
+    seen: Dict[str, List[float]] = {}
+    for row in rows:
+        for name, state in (row.get("fp8_layers") or {}).items():
+            if name.endswith(f".fp8.{direction}"):
+                seen.setdefault(name[: -len(f".fp8.{direction}")], []).append(state["scale"][index])
+    return {name: max(v) / min(v) for name, v in seen.items()}
+
+
 def test_every_run_logs_text_and_metrics_under_its_save_directory(tmp_path):
-    """With --save (no --log-json), the run's lines go to <save>/logs/train.log and one JSON object per
-    iteration to <save>/logs/metrics.jsonl; a resumed run appends to both."""
+    """With --save (no --log-json), the run's lines go to <save>/logs/train.log, one JSON object per iteration
+    to <save>/logs/metrics.jsonl and TensorBoard events to <save>/logs/tensorboard; a resumed run appends to
+    them. The figures include model TFLOP/s, peak memory and, with FP8, scale / amax ranges per role; at the end
+    the job draws <save>/logs/run.png: the loss, and amax / scale panels per role with the tensors whose scale
+    moved most named."""
     ck = tmp_path / "ck"
     flags = TINY + ["--global-batch-size", "4", "--save", str(ck)]
     _job(tmp_path, flags + ["--train-iters", "2"], nproc=2)
-    _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
+    _, out = _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
     text = (ck / "logs" / "train.log").read_text()
     assert "iteration      2 | loss" in text and "iteration      3 | loss" in text, text[-3000:]
     assert f"resuming from --save {ck}" in text and "saved checkpoint at iteration 3" in text, text[-3000:]
-    assert [r["iteration"] for r in _rows(ck / "logs" / "metrics.jsonl")] == [1, 2, 3]
+    assert "TFLOP/s " in text and " MiB | fp8 nonfinite amax 0" in text, text[-3000:]
+    rows = _rows(ck / "logs" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    _assert_finite_figures(rows, RUN_FIGURES + ROLE_FIGURES)
+    for row in rows:  # the role ranges cover the run-wide scale range
+        assert min(row[f"fp8_{r}_scale_min"] for r in ("input", "weight", "grad")) == row["fp8_scale_min"], row
+        assert max(row[f"fp8_{r}_scale_max"] for r in ("input", "weight", "grad")) == row["fp8_scale_max"], row
+    tags = _scalar_tags(ck / "logs" / "tensorboard")
+    for key in RUN_FIGURES + ROLE_FIGURES:
+        assert tags.get(f"train/{key}") == [1, 2, 3], (key, sorted(tags))
+    assert f"plot: {ck / 'logs' / 'run.png'}" in out, out[-3000:]
+    assert (ck / "logs" / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from launch.plot_run import figure
+
+    panels = _panels(figure(str(ck / "logs" / "metrics.jsonl")))
+    assert [title for title, _ in panels] == ["loss"] + [
+        f"FP8 {role}: {kind} of 4 tensors" for role in ("input", "weight", "grad")
+        for kind in ("amax (newest)", "scale")], panels
+    for (title, legend), role in zip(panels[1:], ("input", "input", "weight", "weight", "grad", "grad")):
+        assert legend[:2] == [f"{role}: min-max", f"{role}: median"], (title, legend)
+    # the first tensor named in the input and grad panels is the one whose scale moved most (from the rows)
+    for index, role in ((2, "input"), (6, "grad")):
+        ratios = _scale_ratios(rows, role)
+        top = max(ratios, key=ratios.get)
+        assert ratios[top] > 1 and panels[index][1][2].startswith(f"{top} (scale moved x"), (ratios, panels[index])
+
+
+def test_fp8_off_run_logs_figures_and_plots_the_loss_alone(tmp_path):
+    """Without FP8 the run's metrics and TensorBoard events hold the run's figures and no FP8 ones, and its plot
+    (at the end of the job, and from launch/plot_run.py on the metrics file) is the loss panel alone."""
+    ck = tmp_path / "ck"
+    at = TINY.index("--fp8-format")
+    no_fp8 = TINY[:at] + TINY[at + 4:]  # without --fp8-format hybrid --fp8-amax-history-len 4
+    assert "--fp8-format" not in no_fp8 and "--fp8-amax-history-len" not in no_fp8
+    _job(tmp_path, no_fp8 + ["--train-iters", "2", "--save", str(ck)])
+    rows = _rows(ck / "logs" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2]
+    _assert_finite_figures(rows, RUN_FIGURES)
+    assert not [k for r in rows for k in r if k.startswith("fp8")], rows[-1]
+    tags = _scalar_tags(ck / "logs" / "tensorboard")
+    assert all(tags.get(f"train/{key}") == [1, 2] for key in RUN_FIGURES), sorted(tags)
+    assert not [t for t in tags if "fp8" in t], sorted(tags)
+    assert (ck / "logs" / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = tmp_path / "again.png"
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "plot_run.py"), str(ck / "logs" / "metrics.jsonl"),
+                           str(png)], capture_output=True, text=True, timeout=300, env=_env(tmp_path))
+    assert proc.returncode == 0 and "loss; FP8 off" in proc.stdout, proc.stdout + proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from launch.plot_run import figure
+
+    assert _panels(figure(str(ck / "logs" / "metrics.jsonl"))) == [("loss (FP8 off: no FP8 panels)", [])]
 
 
 def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):
@@ -266,7 +371,7 @@ def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 0-column terminal: no bar
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
-           f"--master_port={_free_port()}", str(JOB), *flags]
+           f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=follower,
                             stderr=follower)
     os.close(follower)

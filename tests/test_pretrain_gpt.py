@@ -12,7 +12,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from launcher import REPO, _free_port, child_env
+from launcher import REPO, _free_port, child_env, job_argv
 
 HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
 
@@ -30,7 +30,7 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 def _torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900, expect_ok: bool = True,
               rdzv: List[str] = (), launcher: List[str] = ()) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           *(rdzv or ["--nnodes=1", f"--master_port={_free_port()}"]), *launcher, str(ENTRY), *args]
+           *(rdzv or ["--nnodes=1", f"--master_port={_free_port()}"]), *launcher, str(ENTRY), *job_argv(args)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if expect_ok:
@@ -72,6 +72,44 @@ def test_flags_parsed_with_megatron_names():
             default.expert_model_parallel_size, default.expert_tensor_parallel_size, default.num_experts,
             default.fp8, default.cuda_graph) == (2, 2, 2, 1, 4, "hybrid", False)
     assert "--cuda-graph" in embedded_default_argv(4, gpu=True)
+
+
+def test_flags_layer_over_the_preset():
+    """A flag changes only its own setting of the preset: the job's default preset on 4 CPU ranks keeps its
+    MoE, FP8, layout and save path under `--train-iters 200`; `--preset none` is megatron's defaults; a preset's
+    sequence parallel goes with the TP it needed; boolean and FP8 settings of a preset can be turned off; an
+    unknown preset is named with the closest one."""
+    from launch.train.arguments import ArgumentError, describe, embedded_default_argv, parse_args
+
+    base = parse_args([], world_size=4, preset="default")
+    longer = parse_args(["--train-iters", "200"], world_size=4, preset="default")
+    assert longer.as_dict() == {**base.as_dict(), "train_iters": 200}
+    assert base.as_dict() == parse_args(["--preset", "none", *embedded_default_argv(4, gpu=False)],
+                                        world_size=4).as_dict() | {"preset": "default"}
+    assert (base.num_experts, base.fp8, base.tensor_model_parallel_size, base.sequence_parallel, base.save) == \
+        (4, "hybrid", 2, True, "checkpoints/gpt_default")
+    plain = parse_args(["--num-layers", "2"], world_size=1)  # parse_args alone: megatron's defaults
+    assert (plain.fp8, plain.num_experts, plain.save, plain.preset) == (None, None, None, "none")
+    tp1 = parse_args(["--tensor-model-parallel-size", "1"], world_size=4, preset="default")
+    assert (tp1.tensor_model_parallel_size, tp1.sequence_parallel, tp1.data_parallel_size) == (1, False, 2)
+    with pytest.raises(ArgumentError, match="--sequence-parallel needs"):  # asked for: not dropped
+        parse_args(["--tensor-model-parallel-size", "1", "--sequence-parallel"], world_size=4, preset="default")
+    gpu = parse_args([], world_size=1, gpu=True, preset="default")
+    assert gpu.bf16 and gpu.cuda_graph and gpu.num_experts is None
+    off = parse_args(["--no-bf16", "--no-cuda-graph", "--fp8-format", "none"], world_size=1, gpu=True,
+                     preset="default")
+    assert (off.bf16, off.cuda_graph, off.fp8) == (False, False, None)
+    dense = parse_args(["--num-experts", "0"], world_size=4, preset="default")
+    assert dense.num_experts is None and "MoE" not in describe(dense)
+    gpu1 = parse_args(["--preset=gpu1", "--train-iters", "7"], world_size=2, preset="default")
+    assert (gpu1.hidden_size, gpu1.data_parallel_size, gpu1.global_batch_size, gpu1.train_iters, gpu1.preset) == \
+        (768, 2, 16, 7, "gpu1")
+    line = describe(base)
+    for part in ("preset default", "TP2 x PP2", "MoE 4 experts top-2 (EP2 ETP1)", "FP8 hybrid delayed",
+                 "40 iterations", "saves to checkpoints/gpt_default"):
+        assert part in line, (part, line)
+    with pytest.raises(ArgumentError, match="--preset=gpu: unknown preset.*did you mean 'gpu1'"):
+        parse_args(["--preset", "gpu"], world_size=1)
 
 
 def test_fused_torch_adam_switch_matches_foreach_and_resets():
@@ -279,8 +317,8 @@ def test_tp2_run_json_log_and_plot(tmp_path):
     rows = _rows(log)
     assert [r["iteration"] for r in rows] == list(range(1, 9)), out[-3000:]
     for r in rows:
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "fp8_nonfinite_amax", "fp8_scale_min",
-                    "fp8_scale_max", "fp8_scopes_opened", "fp8_scopes_reduced"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_s", "memory_peak_mib", "step_ms",
+                    "fp8_nonfinite_amax", "fp8_scale_min", "fp8_scale_max", "fp8_scopes_opened", "fp8_scopes_reduced"):
             assert r[key] is not None, (key, r)
         assert r["fp8_nonfinite_amax"] == 0 and r["fp8_scopes_reduced"] == r["fp8_scopes_opened"] == 2 * 4, r
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-2 and rows[-1]["lr"] < rows[1]["lr"], "warm-up, then decay"
@@ -300,6 +338,13 @@ def test_tp2_run_json_log_and_plot(tmp_path):
     assert checked >= 3 * len(layers) // 2, (checked, layers)  # forward input and weight, backward grad
     scales = [s for state in layers.values() for s in state["scale"]]
     assert rows[-1]["fp8_scale_min"] <= min(scales) and rows[-1]["fp8_scale_max"] >= max(scales), rows[-1]
+    # the per-role ranges are those of the role's tensors in `fp8_layers` (amaxes: the tensors that ran)
+    for role, (direction, index) in {"input": (".fwd", 0), "weight": (".fwd", 1), "grad": (".bwd", 0)}.items():
+        of_role = [state for name, state in layers.items() if name.endswith(direction)]
+        role_scales = [state["scale"][index] for state in of_role]
+        role_amaxes = [state["amax"][index] for state in of_role if state["amax"][index] > 0]
+        got = [rows[-1][f"fp8_{role}_{k}"] for k in ("scale_min", "scale_max", "amax_min", "amax_max")]
+        assert got == [min(role_scales), max(role_scales), min(role_amaxes), max(role_amaxes)], (role, got)
     _assert_falls(rows, 0.8)
     assert "iteration      2 | loss" in out and "scopes reduced" in out
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
@@ -307,7 +352,51 @@ def test_tp2_run_json_log_and_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "plot_run.py"), str(log), str(png)],
                           capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"loss and {3 * len(layers) // 2} FP8 tensors by role" in proc.stdout, proc.stdout
     assert png.stat().st_size > 10000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_flops_estimate_counts_the_gemms():
+    """The model-FLOPs estimate is 3 x (forward GEMMs) per token: QKV, output projection, attention scores and
+    values, the MLP's two GEMMs (per routed expert), the router, and the output layer."""
+    from launch.train.metrics import training_flops_per_iteration
+
+    L, h, f, s, V, B, E, k = 2, 8, 16, 4, 32, 3, 4, 2
+    dense_layer = 2 * h * 3 * h + 2 * h * h + 2 * s * h + 2 * s * h + 2 * h * f + 2 * f * h
+    want = 3 * B * s * (L * dense_layer + 2 * h * V)
+    assert training_flops_per_iteration(L, h, f, s, V, B) == want
+    moe_layer = dense_layer + k * (2 * h * f + 2 * f * h) - (2 * h * f + 2 * f * h) + 2 * h * E
+    want = 3 * B * s * (L * moe_layer + 2 * h * V)
+    assert training_flops_per_iteration(L, h, f, s, V, B, experts=E, topk=k) == want
+
+
+def test_missing_tensorboard_is_one_note(monkeypatch, tmp_path, capsys):
+    """Without tensorboard installed, the run log says so once and goes on without events."""
+    from launch.train.metrics import RunLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` raises ImportError
+    log = RunLog(True, 2, 0, 1, str(tmp_path / "tb"), None, progress_bar=False)
+    log.record({"iteration": 1, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                "tflops_per_s": 1.0, "step_ms": 1.0, "memory_peak_mib": 1.0})
+    log.close()
+    out = capsys.readouterr().out
+    assert out.count("note: tensorboard is not installed") == 1 and "iteration      1 | loss" in out, out
+    assert not (tmp_path / "tb").exists()
+
+
+def test_plot_of_an_older_fp8_off_log_has_no_fp8_panels(tmp_path):
+    """A log that recorded FP8 state without FP8 (every amax 0, every scale 1, as the job's logs did before
+    FP8-off runs left it out) is plotted as an FP8-off run: the loss panel alone."""
+    from launch.plot_run import figure, plot
+
+    log = tmp_path / "old.jsonl"
+    state = {"amax": [0.0, 0.0], "scale": [1.0, 1.0]}
+    rows = [{"iteration": i, "loss": 5.0 - i, "fp8_scopes_opened": 0,
+             "fp8_layers": {f"layer0{n}/mlp.linear_fc1.fp8.fwd": state for n in (1, 2)}} for i in (1, 2, 3)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = figure(str(log))
+    assert [ax.get_title() for ax in fig.axes] == ["loss (FP8 off: no FP8 panels)"]
+    assert plot(str(log), str(tmp_path / "old.png")) == 0
 
 
 def test_pp2_interleaved_run_with_graphed_layers(tmp_path):
@@ -357,7 +446,7 @@ def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=2",
                f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=fp8p-test", str(ENTRY), *args]
+               "--rdzv-id=fp8p-test", str(ENTRY), *job_argv(args)]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
@@ -381,7 +470,7 @@ def test_default_job_end_to_end(tmp_path):
     """The README's first command: no flags, 4 ranks, MoE GPT on TP2 x PP2 x EP2 with FP8; loss falls and a
     checkpoint is written. Slow (40 iterations, over a minute on 2 cores): run with `-m slow` (nightly)."""
     out = _torchrun(tmp_path, 4, [], timeout=1500)
-    assert "no flags: the embedded default run" in out
+    assert "run (preset default): 4 ranks = TP2 x PP2" in out, out[-5000:]
     assert "tp 2 pp 2 vpp None cp 1 dp 1 ep 2 etp 1" in out and "experts 4; fp8 hybrid" in out, out[-5000:]
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert len(losses) == 8 and losses[-1] < 0.6 * losses[0], losses
@@ -396,7 +485,7 @@ def test_default_job_end_to_end(tmp_path):
 def _gpu_torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900) -> str:
     env = child_env(gpus=True, FP8P_DATA_CACHE=str(tmp_path.parent / "fp8p-data-cache"))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--master_port={_free_port()}", str(ENTRY), *args]
+           f"--master_port={_free_port()}", str(ENTRY), *job_argv(args)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-15000:]}"

@@ -1,9 +1,10 @@
 """Command-line flags of the GPT job, under megatron's names, and their validation.
 
-Flag defaults follow megatron (no parallelism, no experts, no FP8 unless `--fp8-format` is given) with a small
-model. A run with no flags at all is the embedded default (`embedded_default_argv`): on 4 ranks a small MoE
-GPT on TP2 x PP2 x EP2 (expert TP 1), FP8 on, a few dozen iterations on the generated corpus that ships with
-the job (`launch/train/corpus.py`), a checkpoint at the end; on GPUs also bf16 and CUDA graphs.
+A run starts from a preset (`--preset`, `PRESETS`) and each flag given changes only its own setting. The
+`default` preset is the README's run (`embedded_default_argv`): on 4 ranks a small MoE GPT on TP2 x PP2 x EP2
+(expert TP 1), FP8 on, a few dozen iterations on the generated corpus that ships with the job
+(`launch/train/corpus.py`), a checkpoint at the end; on GPUs the dense GPT with bf16 and CUDA graphs.
+`--preset none` starts from megatron's defaults (no parallelism, no experts, no FP8 unless `--fp8-format`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import dataclasses
 import difflib
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 
 class ArgumentError(ValueError):
@@ -51,14 +52,16 @@ def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
     return ("; " + "; ".join(hints)) if hints else ""
 
 
-def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+def _parser(defaults: Optional[Dict[str, Any]] = None, preset_help: str = "") -> argparse.ArgumentParser:
+    """The flags; `defaults` (a preset's values) replace argparse's defaults, so `--help` shows what a run uses."""
     p = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
-        description="GPT pretraining with FP8 on megatron-core (torchrun entry point). With no flags: the "
-        "embedded default run (on 4 ranks: TP2 x PP2, MoE with EP2, FP8, generated corpus); each flag's "
-        "'no-flag run' value is what it uses on this many ranks. Any flag given replaces that whole preset: the "
-        "flags not given take their 'default'.",
+        description="GPT pretraining with FP8 on megatron-core (torchrun entry point). A run starts from a preset "
+        "(--preset; without it: 'default', the README's run) and each flag given changes only that setting; the "
+        "defaults shown are the values this run uses on this many ranks.",
     )
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="the values flags start from: " + preset_help)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -66,16 +69,17 @@ def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+                   help="megatron's sequence parallelism (needs TP > 1; a preset's is dropped at TP 1)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="absent: 4 x hidden size")
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--num-experts", type=int, default=None, help="MoE experts (absent = dense)")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="absent: --seq-length")
+    g.add_argument("--num-experts", type=int, default=None, help="MoE experts (absent or 0: dense)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -91,7 +95,8 @@ def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
                    default="cosine")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 master weights")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="bf16 parameters with fp32 master weights")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="as megatron's: weight gradients go through autograd and DDP's hooks instead of being "
                         "added into DDP's float32 buffers by the layers' GEMMs (the default here needs no apex)")
@@ -102,21 +107,22 @@ def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("fp8")
-    g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="FP8 format (absent = no FP8)")
+    g.add_argument("--fp8-format", choices=("e4m3", "hybrid", "none"), default=None,
+                   help="FP8 format ('none' or absent: no FP8)")
     g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
     g.add_argument("--fp8-amax-history-len", type=int, default=16)
     g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="max")
     g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--cuda-graph", action="store_true",
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
                    help="CUDA graphs of the transformer layers (GPUs; eager with one warning on CPU)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="megatron indexed dataset prefix(es), optionally weighted: [W1] PREFIX1 [W2] PREFIX2 ...; "
-                   "default: the generated corpus")
+                   "absent: the generated corpus")
     g.add_argument("--split", default="98,2,0")
     g.add_argument("--data-cache-path", default=None, help="where the dataset index caches go")
-    g.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocab size (default: byte-level, 257)")
+    g.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocab size (absent: byte-level, 257)")
     g.add_argument("--tokenizer-file", default=None, help="a `tokenizers` JSON file used to preprocess the data")
 
     g = p.add_argument_group("checkpoints and output")
@@ -133,7 +139,7 @@ def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
                    help="let saves replace newer checkpoints in --save and move its `latest` back; without "
                    "--load, start from scratch instead of resuming from --save")
     g.add_argument("--keep-last", type=int, default=None, metavar="N",
-                   help="keep only the N newest checkpoints in --save (default: keep all)")
+                   help="keep only the N newest checkpoints in --save (absent: keep all)")
     g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on resume, the LR / weight-decay schedule of this run's flags replaces the checkpoint's")
@@ -150,12 +156,10 @@ def _parser(preset: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     g.add_argument("--verbose", action="store_true",
                    help="show every warning on every rank (by default rank 0 shows each once, and those expected "
                    "from megatron-core / torch here are hidden with one note naming them)")
-    if preset is not None:  # --help also shows what the no-flag run uses, where it differs from the default
-        ran = vars(_parser().parse_args(list(preset)))
-        for action in p._actions:
-            if action.dest in ran and ran[action.dest] != action.default:
-                value = " ".join(map(str, ran[action.dest])) if isinstance(ran[action.dest], list) else ran[action.dest]
-                action.help = (action.help + "; " if action.help else "") + f"no-flag run: {value}"
+    if defaults:
+        p.set_defaults(**defaults)
+        preset = next(a for a in p._actions if a.dest == "preset")
+        preset.help += f"; this run: {defaults['preset']}"
     for action in p._actions:  # --help shows every default
         if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
                 and "default" not in (action.help or ""):
@@ -179,47 +183,171 @@ class RunArgs:
         return dict(self.values)
 
 
-def embedded_default_argv(world_size: int, gpu: bool) -> List[str]:
-    """The flags of the no-flag run for `world_size` ranks: on 4 CPU ranks a MoE GPT on TP2 x PP2 x EP2; on GPUs
-    the dense GPT in bf16 with CUDA graphs.
-
-    Small on purpose: without a GPU, FP8 GEMMs run through torch's reference CPU kernel (`torch._scaled_mm`),
-    which is orders of magnitude slower than a float32 matmul of the same size."""
+def _layout(world_size: int) -> Tuple[int, int, int]:
+    """TP, PP and EP of the small presets on `world_size` ranks: TP2 on an even count, PP2 on a multiple of 4,
+    EP2 where the data x tensor ranks of a stage are even."""
     tp = 2 if world_size % 2 == 0 else 1
     pp = 2 if world_size % 4 == 0 else 1
     ep = 2 if (world_size // pp) % 2 == 0 else 1
-    # MoE routes data-dependent token counts, which CUDA graphs cannot capture: on GPUs the default is the
-    # same GPT with dense MLPs, graphed.
-    moe = [] if gpu else ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", str(ep),
-                          "--expert-tensor-parallel-size", "1"]
-    argv = [
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *moe,
+    return tp, pp, ep
+
+
+def _small_gpt(world_size: int, moe: bool, save: str) -> List[str]:
+    """The small FP8 GPT of the CPU-sized presets (TP2 x PP2 on 4 ranks), MoE with 4 experts or dense."""
+    tp, pp, ep = _layout(world_size)
+    experts = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", str(ep),
+               "--expert-tensor-parallel-size", "1"] if moe else []
+    return [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *experts,
         "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
         *(["--sequence-parallel"] if tp > 1 else []),
         "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "6e-3", "--min-lr", "6e-4", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine",
-        "--train-iters", "40", "--save", "checkpoints/gpt_default", "--log-interval", "5",
+        "--train-iters", "40", "--save", save, "--log-interval", "5",
     ]
+
+
+def embedded_default_argv(world_size: int, gpu: bool) -> List[str]:
+    """The `default` preset (the README's run) for `world_size` ranks: on CPU ranks a MoE GPT (TP2 x PP2 x EP2
+    on 4); on GPUs the same GPT with dense MLPs, in bf16 with CUDA graphs.
+
+    Small on purpose: without a GPU, FP8 GEMMs run through torch's reference CPU kernel (`torch._scaled_mm`),
+    which is orders of magnitude slower than a float32 matmul of the same size."""
+    # MoE routes data-dependent token counts, which CUDA graphs cannot capture: on GPUs the default is the
+    # same GPT with dense MLPs, graphed.
+    argv = _small_gpt(world_size, moe=not gpu, save="checkpoints/gpt_default")
     return argv + (["--bf16", "--cuda-graph"] if gpu else [])
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1,
-               preset: Optional[Sequence[str]] = None) -> RunArgs:
-    """Parse and validate the flags for a job of `world_size` ranks.
+def _moe_argv(world_size: int, gpu: bool) -> List[str]:
+    return _small_gpt(world_size, moe=True, save="checkpoints/gpt_moe") + (["--bf16"] if gpu else [])
+
+
+def _gpu1_argv(world_size: int, _gpu: bool) -> List[str]:
+    """A GPT-2-small-sized dense model for one GPU (more GPUs: data parallel), bf16, FP8 hybrid, CUDA graphs."""
+    return [
+        "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--bf16", "--cuda-graph",
+        "--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "3072", "--num-attention-heads", "12",
+        "--seq-length", "1024", "--micro-batch-size", "8", "--global-batch-size", str(8 * world_size),
+        "--lr", "6e-4", "--min-lr", "6e-5", "--lr-warmup-iters", "20", "--lr-decay-style", "cosine",
+        "--train-iters", "500", "--save", "checkpoints/gpt_gpu1", "--save-interval", "100", "--log-interval", "10",
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named starting point for the flags: `argv(world_size, gpu)` are the flags it stands for."""
+
+    about: str
+    argv: Callable[[int, bool], List[str]]
+
+
+PRESETS: Dict[str, Preset] = {
+    "default": Preset("the README's run: a small FP8 GPT, MoE on CPU ranks (TP2 x PP2 x EP2 on 4), dense bf16 with "
+                      "CUDA graphs on GPUs; saves to checkpoints/gpt_default", embedded_default_argv),
+    "moe": Preset("the small FP8 MoE GPT on any device (bf16 on GPUs, no graphs); saves to checkpoints/gpt_moe",
+                  _moe_argv),
+    "gpu1": Preset("a GPT-2-small-sized dense FP8 model for one GPU (bf16, CUDA graphs; more GPUs add data "
+                   "parallel); saves to checkpoints/gpt_gpu1", _gpu1_argv),
+    "none": Preset("megatron's defaults: no parallelism, no experts, no FP8, a small model, no save",
+                   lambda _world_size, _gpu: []),
+}
+
+
+def _preset_help() -> str:
+    return "; ".join(f"'{name}': {preset.about}" for name, preset in PRESETS.items())
+
+
+def split_preset(argv: Sequence[str], default: str = "default") -> Tuple[str, List[str]]:
+    """The preset named by `--preset NAME` / `--preset=NAME` in `argv` (the last one wins; else `default`) and
+    the other flags.
 
     Raises:
-        ArgumentError: a size or setting that does not fit (the message names the flag and value).
+        ArgumentError: an unknown preset name, or `--preset` without one.
     """
-    v = vars(_parser(preset if argv and ("--help" in argv or "-h" in argv) else None).parse_args(argv))
-    v["fp8"] = v.pop("fp8_format")
+    name, rest, items = default, [], list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item == "--preset":
+            if i + 1 >= len(items):
+                raise ArgumentError("argument --preset: expected one argument")
+            name, i = items[i + 1], i + 2
+            continue
+        if item.startswith("--preset="):
+            name = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+        i += 1
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ArgumentError(f"--preset={name}: unknown preset; the presets are {', '.join(PRESETS)}{hint}")
+    return name, rest
+
+
+def _given(flags: Sequence[str], *names: str) -> bool:
+    return any(f == n or f.startswith(n + "=") for f in flags for n in names)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1, gpu: bool = False,
+               preset: str = "none") -> RunArgs:
+    """Parse and validate the flags for a job of `world_size` ranks, layered over a preset: `--preset` in
+    `argv`, else `preset` (the job passes 'default'; 'none' is megatron's defaults). Each flag given replaces
+    only its own setting.
+
+    Raises:
+        ArgumentError: an unknown preset, or a size or setting that does not fit (the message names the flag
+            and value).
+    """
+    name, flags = split_preset(list(sys.argv[1:] if argv is None else argv), default=preset)
+    preset_flags = PRESETS[name].argv(world_size, gpu)
+    defaults = vars(_parser().parse_args(preset_flags)) | {"preset": name}
+    v = vars(_parser(defaults, _preset_help()).parse_args(flags))
+    v["preset"] = name
+    if v["sequence_parallel"] and v["tensor_model_parallel_size"] == 1 \
+            and not _given(flags, "--sequence-parallel"):  # the preset's, for a TP it no longer has
+        v["sequence_parallel"] = False
+    fmt = v.pop("fp8_format")
+    v["fp8"] = None if fmt == "none" else fmt
+    return _finish(v, world_size)
+
+
+def _finish(v: Dict[str, Any], world_size: int) -> RunArgs:
+    """Derived values and validation of parsed flags."""
     v["ffn_hidden_size"] = v["ffn_hidden_size"] or 4 * v["hidden_size"]
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
-    if v["num_experts"] is not None and v["num_experts"] < 1:
-        raise ArgumentError(f"--num-experts={v['num_experts']}: must be a positive integer (absent = dense)")
+    if v["num_experts"] is not None and v["num_experts"] < 0:
+        raise ArgumentError(f"--num-experts={v['num_experts']}: must be a positive integer (absent or 0: dense)")
+    if v["num_experts"] == 0:
+        v["num_experts"] = None
     v["world_size"] = world_size
     v["data_parallel_size"] = validate(v, world_size)
     return RunArgs(v)
+
+
+def describe(args: RunArgs, plan: Any = None) -> str:
+    """One line of what the run will do: preset, layout, model, precision and FP8 recipe, length, where it
+    saves and what it starts from (`plan`: the pre-flight `ResumePlan`)."""
+    layout = (f"{args.world_size} ranks = TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size}"
+              f"{f' (VPP{args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
+              f" x CP{args.context_parallel_size} x DP{args.data_parallel_size}"
+              f"{' + SP' if args.sequence_parallel else ''}")
+    model = f"GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, seq {args.seq_length}"
+    if args.num_experts:
+        model += (f", MoE {args.num_experts} experts top-{args.moe_router_topk} "
+                  f"(EP{args.expert_model_parallel_size} ETP{args.expert_tensor_parallel_size})")
+    fp8 = (f"FP8 {args.fp8} {args.fp8_recipe}"
+           f"{f' (amax history {args.fp8_amax_history_len})' if args.fp8_recipe == 'delayed' else ''}"
+           if args.fp8 else "FP8 off")
+    precision = f"{'bf16' if args.bf16 else 'fp32'}, {fp8}{', CUDA graphs' if args.cuda_graph else ''}"
+    start = "from iteration 0"
+    if plan is not None and getattr(plan, "load", None):
+        start = f"resuming {plan.load} at iteration {plan.iteration}"
+    save = f"saves to {args.save}" if args.save else "saves nothing (no --save)"
+    return (f"run (preset {args.preset}): {layout}; {model}; {precision}; {args.train_iters} iterations of "
+            f"{args.global_batch_size} x {args.seq_length} tokens {start}; {save}")
 
 
 def _positive(v: Dict[str, Any], names: List[str]) -> None:

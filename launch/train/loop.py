@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import parallel_state as ps
 
 from .arguments import RunArgs
+from .children import tie_children_to_this_rank
 from .elastic import init_process_group
 
 
@@ -62,6 +64,18 @@ def _is_terminal(stream) -> bool:
         return False
 
 
+def _logs_dir(args: RunArgs) -> Optional[str]:
+    """`<save>/logs`: where a run with --save writes train.log, metrics.jsonl, TensorBoard events and its plot."""
+    return os.path.join(args.save, "logs") if args.save else None
+
+
+def _tensorboard_dir(args: RunArgs) -> Optional[str]:
+    """--tensorboard-dir, else `<save>/logs/tensorboard` (None: a run without either writes no events)."""
+    if args.tensorboard_dir:
+        return args.tensorboard_dir
+    return os.path.join(_logs_dir(args), "tensorboard") if args.save else None
+
+
 def _open_text_log(args: RunArgs):
     """With --save: rank 0 and the logging rank copy what they print into `<save>/logs/train.log` (collective)."""
     from .metrics import TextLog, logging_rank
@@ -69,10 +83,61 @@ def _open_text_log(args: RunArgs):
     log_rank = logging_rank()
     if not args.save or dist.get_rank() not in (0, log_rank):
         return None
-    text_log = TextLog(os.path.join(args.save, "logs", "train.log"))
+    logs = _logs_dir(args)
+    text_log = TextLog(os.path.join(logs, "train.log"))
     if dist.get_rank() == log_rank:
-        print(f"log: {os.path.join(args.save, 'logs', 'train.log')} and metrics.jsonl beside it", flush=True)
+        beside = "metrics.jsonl and run.png (at the end)" if args.tensorboard_dir else \
+            "metrics.jsonl, tensorboard/ and run.png (at the end)"
+        elsewhere = f"; TensorBoard events in {args.tensorboard_dir}" if args.tensorboard_dir else ""
+        print(f"log: {os.path.join(logs, 'train.log')}; {beside} beside it{elsewhere}", flush=True)
     return text_log
+
+
+def _plot_run(args: RunArgs, say) -> None:
+    """The end of a run with --save: `<save>/logs/run.png` from the run's metrics (`launch/plot_run.py`). A plot
+    that cannot be drawn is one note; the checkpoint and logs stand."""
+    from launch.plot_run import plot
+
+    png = os.path.join(_logs_dir(args), "run.png")
+    try:
+        plot(os.path.join(_logs_dir(args), "metrics.jsonl"), png, title=f"run in {args.save}")
+    except (ImportError, OSError, ValueError) as err:
+        say(f"note: no plot of the run: {err}")
+        return
+    say(f"plot: {png}")
+
+
+def _metrics_row(args: RunArgs, pos: Position, result, step_ms: float, flops: float, model, log_rank: int) -> dict:
+    """One iteration's figures for the run's logs (collective: FP8 and memory figures come from every rank).
+
+    FP8 figures only with FP8 on: health, per-role scale / amax ranges, and on log intervals `fp8_layers`."""
+    from .metrics import fp8_health, fp8_role_summary, gather_layer_state, job_peak_memory_mib, tflops_per_s
+
+    row = {"iteration": pos.iteration, "consumed_samples": pos.consumed_samples, "loss": result.loss,
+           "lr": result.lr, "grad_norm": result.grad_norm,
+           "tokens_per_s": args.global_batch_size * args.seq_length / (step_ms / 1e3),
+           "tflops_per_s": tflops_per_s(flops, step_ms), "memory_peak_mib": job_peak_memory_mib(),
+           "step_ms": step_ms, "update_successful": result.update_successful}
+    if not args.fp8:
+        return row
+    row.update(fp8_health(model, result.scopes_opened, result.scopes_reduced))
+    row.update(fp8_role_summary(model))
+    if pos.iteration % args.log_interval == 0 or pos.iteration in (1, args.train_iters):
+        layers = gather_layer_state(model, log_rank)
+        if layers is not None:
+            row["fp8_layers"] = layers
+    return row
+
+
+def _flops(args: RunArgs, vocab: int) -> float:
+    """Model FLOPs of one iteration of this run (`metrics.training_flops_per_iteration`)."""
+    from .metrics import training_flops_per_iteration
+    from .model import padded_vocab_size
+
+    return training_flops_per_iteration(
+        args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length,
+        padded_vocab_size(vocab, args.tensor_model_parallel_size), args.global_batch_size,
+        experts=args.num_experts, topk=args.moe_router_topk)
 
 
 def run(args: RunArgs, plan=None) -> int:
@@ -82,6 +147,7 @@ def run(args: RunArgs, plan=None) -> int:
         from .preflight import plan_resume
 
         plan = plan_resume(args)
+    tie_children_to_this_rank(saves=bool(args.save))
     started = init_process_group()
     ps.initialize(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -109,7 +175,7 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
     from megatron.core import parallel_state as mpu
 
     from .data import StepBatches, build_train_dataset
-    from .metrics import RunLog, StepTimer, fp8_health, gather_layer_state, logging_rank
+    from .metrics import RunLog, StepTimer, logging_rank
     from .model import build_model, build_optimizer, fp8_settings, transformer_config, use_fused_torch_adam
     from .step import TrainStep
     from .tokenizer import build_tokenizer
@@ -156,15 +222,16 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
         f"{args.num_layers} layers, hidden {args.hidden_size}, experts {args.num_experts}; fp8 "
         f"{args.fp8 or 'off'} ({args.fp8_recipe if args.fp8 else '-'}); {batches.num_microbatches} micro batches "
         f"of {args.micro_batch_size}; {len(dataset)} training samples")
-    run_log = RunLog(is_logger, args.train_iters, pos.iteration, args.log_interval, args.tensorboard_dir,
+    run_log = RunLog(is_logger, args.train_iters, pos.iteration, args.log_interval, _tensorboard_dir(args),
                      args.log_json, progress_bar=not args.no_progress_bar and _is_terminal(sys.stderr),
-                     run_json=os.path.join(args.save, "logs", "metrics.jsonl") if args.save else None)
-    tokens_per_step = args.global_batch_size * args.seq_length
+                     run_json=os.path.join(_logs_dir(args), "metrics.jsonl") if args.save else None)
+    flops = _flops(args, vocab)
     saved_at = pos.iteration if plan.load else -1
     if pos.iteration >= args.train_iters:
         say(f"nothing to train: the checkpoint is at iteration {pos.iteration} = --train-iters; a larger "
             "--train-iters extends the run")
     last_loss = None
+    stopped = False  # by --exit-interval
     try:
         while pos.iteration < args.train_iters:
             timer = StepTimer()
@@ -172,14 +239,7 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
             step_ms = timer.elapsed_ms()
             pos.iteration += 1
             pos.consumed_samples += args.global_batch_size
-            row = {"iteration": pos.iteration, "consumed_samples": pos.consumed_samples, "loss": result.loss,
-                   "lr": result.lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_step / (step_ms / 1e3),
-                   "step_ms": step_ms, "update_successful": result.update_successful}
-            row.update(fp8_health(model, result.scopes_opened, result.scopes_reduced))
-            if pos.iteration % args.log_interval == 0 or pos.iteration in (1, args.train_iters):
-                layers = gather_layer_state(model, log_rank)
-                if layers is not None:
-                    row["fp8_layers"] = layers
+            row = _metrics_row(args, pos, result, step_ms, flops, model, log_rank)
             if is_logger and result.loss is not None:
                 if not torch.isfinite(torch.tensor(result.loss)):
                     run_log.write(f"iteration {pos.iteration}: loss is {result.loss}")
@@ -192,7 +252,8 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
                 saved_at = pos.iteration
             if exiting and pos.iteration < args.train_iters:
                 run_log.write(f"exit interval: stopping after iteration {pos.iteration}")
-                return 0
+                stopped = True
+                break
         if args.save and saved_at != pos.iteration:
             _save(args, pos, model, optimizer, scheduler, run_log.write, {"loss": last_loss})
     finally:
@@ -200,5 +261,8 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
         if graphed is not None:  # graphs holding NCCL collectives (TP) keep destroy_process_group waiting forever
             torch.cuda.synchronize()
             graphed.reset()
-    say(f"done: {pos.iteration} iterations, last loss {last_loss}")
+    if is_logger and args.save:
+        _plot_run(args, say)
+    if not stopped:
+        say(f"done: {pos.iteration} iterations, last loss {last_loss}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -16,6 +17,8 @@ from megatron.core import parallel_state as mpu
 
 import fp8_parallel as fp
 from fp8_parallel.meta import FP8Meta
+
+from .fp8_roles import ROLES, role_of
 
 
 def _fp8_metas(model: List[torch.nn.Module]) -> List[FP8Meta]:
@@ -70,13 +73,104 @@ def fp8_layer_state(model: List[torch.nn.Module]) -> Dict[str, Dict[str, List[fl
     return out
 
 
+def _collective_device() -> torch.device:
+    """Where this rank's tensors for a collective live: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fp8_role_summary(model: List[torch.nn.Module]) -> Dict[str, Optional[float]]:
+    """Per FP8 role (input, weight, grad) over all ranks (collective): the smallest and largest scale and
+    newest amax of its tensors, as `fp8_<role>_scale_min`, `..._scale_max`, `..._amax_min`, `..._amax_max`.
+
+    Amaxes count the tensors that recorded one (amax > 0; a tensor that never ran keeps 0); None where a role
+    has no such tensor on any rank."""
+    device = _collective_device()
+    parts = []
+    for role in ROLES:
+        scale, amax = _role_tensors(model, role, device)
+        unset = amax <= 0
+        parts += [_largest(-scale), _largest(scale),
+                  _largest((-amax).masked_fill(unset, -math.inf)), _largest(amax.masked_fill(unset, -math.inf))]
+    figures = torch.stack(parts).to(torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    out: Dict[str, Optional[float]] = {}
+    for i, role in enumerate(ROLES):
+        lo_s, hi_s, lo_a, hi_a = figures[4 * i: 4 * i + 4].tolist()
+        for key, value in (("scale_min", -lo_s), ("scale_max", hi_s), ("amax_min", -lo_a), ("amax_max", hi_a)):
+            out[f"fp8_{role}_{key}"] = value if math.isfinite(value) else None
+    return out
+
+
+def _role_tensors(model: List[torch.nn.Module], role: str, device: torch.device):
+    """This rank's scales and newest amaxes of the FP8 tensors of `role`, as two 1-D float32 tensors."""
+    scales, amaxes = [], []
+    for chunk in model:
+        for name, meta in chunk.named_modules():
+            if not isinstance(meta, FP8Meta):
+                continue
+            for row in range(meta.num_tensors):
+                if role_of(name, row) == role:
+                    scales.append(meta.scale[row])
+                    amaxes.append(meta.amax_history[row, 0])
+    if not scales:
+        empty = torch.zeros(0, device=device)
+        return empty, empty
+    return torch.stack(scales).float().to(device), torch.stack(amaxes).float().to(device)
+
+
+def _largest(values: torch.Tensor) -> torch.Tensor:
+    """The largest of `values` as a 0-d tensor, -inf when there are none (no read-back to the host)."""
+    return torch.cat([values, values.new_full((1,), -math.inf)]).max()
+
+
+def peak_memory_mib() -> float:
+    """This process's peak memory so far in MiB: on a GPU the most torch has allocated on it
+    (`torch.cuda.max_memory_allocated`), on the CPU the peak resident set size (`getrusage`, KiB on Linux)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def job_peak_memory_mib() -> float:
+    """`peak_memory_mib` of the rank that uses most (collective)."""
+    peak = torch.tensor([peak_memory_mib()], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())
+
+
+def training_flops_per_iteration(num_layers: int, hidden: int, ffn_hidden: int, seq_length: int, vocab: int,
+                                 global_batch: int, experts: Optional[int] = None, topk: int = 1) -> float:
+    """Model FLOPs of one training iteration (forward and backward over the global batch), from the GEMMs.
+
+    Per token, the forward of one layer costs 8 h^2 (QKV 6 h^2, output projection 2 h^2) + 4 s h (attention
+    scores and weighted values, the whole s x s matrix) + 4 h f k (the MLP's two GEMMs, for each of the k
+    experts a token is routed to; k = 1 dense) + 2 h E (the MoE router; 0 dense), and the output layer 2 h V.
+    The backward costs twice the forward, so
+
+        FLOPs = 3 B s (L (8 h^2 + 4 s h + 4 h f k + 2 h E) + 2 h V)
+
+    with B the global batch, s the sequence length, L layers, h hidden size, f FFN hidden size, E experts and
+    V the padded vocabulary. Recomputed forwards (activation recompute), norms, softmax and the embedding
+    lookup are not counted."""
+    h, f, s = hidden, ffn_hidden, seq_length
+    k = topk if experts else 1
+    layer = 8 * h * h + 4 * s * h + 4 * h * f * k + 2 * h * (experts or 0)
+    return 3.0 * global_batch * s * (num_layers * layer + 2 * h * vocab)
+
+
+def tflops_per_s(flops_per_iteration: float, step_ms: float) -> float:
+    """The whole job's model TFLOP/s for an iteration of `step_ms` milliseconds."""
+    return flops_per_iteration / (step_ms / 1e3) / 1e12
+
+
 def logging_rank() -> int:
     """The global rank that logs: the last pipeline stage's first tensor-, context- and data-parallel rank
     (collective)."""
     mine = (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
             and mpu.get_data_parallel_rank(with_context_parallel=True) == 0)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    rank = torch.tensor([dist.get_rank() if mine else -1], device=device)
+    rank = torch.tensor([dist.get_rank() if mine else -1], device=_collective_device())
     dist.all_reduce(rank, op=dist.ReduceOp.MAX)
     return int(rank.item())
 
@@ -95,7 +189,8 @@ def gather_layer_state(model: List[torch.nn.Module], dst: int) -> Optional[Dict[
 
 
 class RunLog:
-    """Progress bar, interval log lines, TensorBoard scalars and JSON lines; active on the logging rank only."""
+    """Progress bar, interval log lines, TensorBoard scalars (`train/<key>` of every number in a row) and JSON
+    lines; active on the logging rank only."""
 
     def __init__(self, active: bool, train_iters: int, start_iteration: int, log_interval: int,
                  tensorboard_dir: Optional[str], log_json: Optional[str], progress_bar: bool,
@@ -113,15 +208,22 @@ class RunLog:
 
             self.bar = tqdm(total=train_iters, initial=start_iteration, desc="train", unit="it", dynamic_ncols=True)
         if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+            self.tb = self._tensorboard(tensorboard_dir)
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
             self.json = open(log_json, "a", buffering=1)
         if run_json and (not log_json or os.path.abspath(run_json) != os.path.abspath(log_json)):
             os.makedirs(os.path.dirname(os.path.abspath(run_json)), exist_ok=True)
             self.run_json = open(run_json, "a", buffering=1)  # the save directory's metrics (logs/metrics.jsonl)
+
+    def _tensorboard(self, log_dir: str):
+        """A SummaryWriter into `log_dir`, or None (with one note) when tensorboard is not installed."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.write(f"note: tensorboard is not installed: no TensorBoard events in {log_dir}")
+            return None
+        return SummaryWriter(log_dir=log_dir)
 
     def write(self, text: str) -> None:
         if not self.active:
@@ -153,7 +255,8 @@ class RunLog:
             self.write(
                 f"iteration {it:6d} | loss {row['loss']:.5f} | lr {row['lr']:.3e} | grad norm "
                 f"{row['grad_norm'] if row['grad_norm'] is None else format(row['grad_norm'], '.4f')} | "
-                f"tokens/s {row['tokens_per_s']:.0f} | step {row['step_ms']:.1f} ms | {fp8}"
+                f"tokens/s {row['tokens_per_s']:.0f} | TFLOP/s {row['tflops_per_s']:.3g} | step "
+                f"{row['step_ms']:.1f} ms | mem {row['memory_peak_mib']:.0f} MiB | {fp8}"
             )
 
     def close(self) -> None:

@@ -1,0 +1,72 @@
+"""Nothing a rank starts outlives it.
+
+torchrun runs each rank in a session of its own and, when a rank dies, stops the other ranks, not what the dead
+rank started. megatron-core's checkpoint writer starts helper processes: a `multiprocessing` manager (spawned
+once, at the first save, and kept for the process's life), its resource tracker, and forked writers during
+each save. A rank killed by a signal would leave them running, holding the job's output open, so that
+`torchrun ... | tee log` never returned.
+
+`tie_children_to_this_rank` makes every forked child and the writer's manager die with the rank (Linux's
+parent-death signal); the resource tracker then ends by itself once no live process holds its pipe.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+_forking_pid = [0]
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child process: be SIGKILLed when `parent_pid` (the process that started it) ends; exit now if it
+    already has. No-op outside Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # not allowed here: nothing else to do
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _before_fork() -> None:
+    _forking_pid[0] = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    die_with_parent(_forking_pid[0])
+
+
+def _start_checkpoint_writer_queue() -> None:
+    """Start megatron-core's checkpoint-writer results queue (what its first save would start) on a manager
+    that dies with this rank. megatron-core keeps that queue in a module global and creates it only while the
+    global is unset."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+
+
+_tied = [False]
+
+
+def tie_children_to_this_rank(saves: bool) -> None:
+    """From the main thread, before the job forks or saves: forked children get the parent-death signal, and
+    with `saves` the checkpoint writer's manager is started with it too. Idempotent."""
+    if not sys.platform.startswith("linux") or _tied[0]:
+        return
+    _tied[0] = True
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    if saves:
+        _start_checkpoint_writer_queue()

@@ -45,6 +45,8 @@ EXPECTED_WARNINGS = (
     # megatron's distributed optimizer reads `.grad` of its shard views in zero_grad (harmless: it clears them)
     ("megatron-core's distributed optimizer reads .grad of non-leaf shard views",
      r"The \.grad attribute of a Tensor that is not a leaf Tensor"),
+    ("megatron-core's expert linears at expert TP 1 turn sequence parallel off for themselves (MoE with TP > 1)",
+     r"`sequence_parallel` is set to `True`, but tensor model parallel size is 1"),
     ("megatron-core's checkpoint writer forks its writers from a rank with threads (Python 3.12+)",
      r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks"),
 )
@@ -69,8 +71,8 @@ def _filter_megatron_warnings(rank: int, verbose: bool = False, note: bool = Tru
         missing = [name for name, module in (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
                    if importlib.util.find_spec(module) is None]
         if missing:
-            warnings.warn(f"{' and '.join(missing)} missing: megatron-core uses its torch fallbacks (optimizers, "
-                          "norms, multi-tensor ops); this job's FP8 layers do not need them", stacklevel=1)
+            print(f"note: {' and '.join(missing)} missing: megatron-core uses its torch fallbacks (optimizers, "
+                  "norms, multi-tensor ops); this job's FP8 layers do not need them", flush=True)
 
 
 def _usage_error(rank: int, err: Exception) -> int:

@@ -48,8 +48,14 @@ def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[i
 
 
 def _refused(tmp_path: Path, flags: List[str], *needles: str, nproc: int = 1) -> str:
-    """The job exits before training with one error line naming `needles` (exit status 2 from the rank)."""
-    rc, out = _job(tmp_path, flags, nproc=nproc, expect_rc=None)
+    """The job exits before training with one error line naming `needles` (exit status 2 from the rank).
+
+    One rank: the job's entry point runs in this process (its checks all come before torch.distributed starts;
+    a run that got past them fails the test). More ranks: a real torchrun launch."""
+    if nproc == 1:
+        rc, out = _refused_in_process(tmp_path, flags)
+    else:
+        rc, out = _job(tmp_path, flags, nproc=nproc, expect_rc=None)
     assert rc != 0, out[-5000:]
     lines = [line for line in out.splitlines() if line.startswith(ERROR)]
     assert len(lines) == 1, f"expected one error line, got {lines}:\n{out[-5000:]}"
@@ -60,6 +66,27 @@ def _refused(tmp_path: Path, flags: List[str], *needles: str, nproc: int = 1) ->
     job_frames = [line for line in out.splitlines() if line.strip().startswith('File "') and str(REPO) in line]
     assert not job_frames, f"a traceback from the job:\n{out[-5000:]}"
     return lines[0]
+
+
+def _refused_in_process(tmp_path: Path, flags: List[str]) -> Tuple[int, str]:
+    """`launch/pretrain_gpt.py`'s main on one rank, here: (exit status, stdout + stderr)."""
+    import contextlib
+    import io
+    import warnings
+    from unittest import mock
+
+    from launch import pretrain_gpt
+
+    def trained(*_args, **_kwargs):
+        raise AssertionError("the job got past its checks and started training")
+
+    buf = io.StringIO()
+    env = {k: v for k, v in _env(tmp_path).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    with contextlib.chdir(tmp_path), mock.patch.dict(os.environ, env, clear=True), warnings.catch_warnings(), \
+            mock.patch("launch.train.loop.run", trained), contextlib.redirect_stdout(buf), \
+            contextlib.redirect_stderr(buf):
+        rc = pretrain_gpt.main(job_argv(flags))
+    return rc, buf.getvalue()
 
 
 def _rows(log: Path) -> List[dict]:

@@ -5,6 +5,9 @@
 `[consumed, consumed + global_batch)` of the training split, this data-parallel rank's share of them as
 micro batches, so a job restarted with `consumed_samples` from a checkpoint continues at exactly the next
 sample.
+
+megatron caches the datasets' index arrays as `.npy` files (in `--data-cache-path`, else in
+`PREFIX/cache/GPTDataset_indices/`); the job loads them with pickle disallowed (`indexcache.py`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from .corpus import default_cache_dir, ensure_default_corpus
 from .datapath import DataError, check_data_path
+from .indexcache import no_pickle_index_loads
 
 
 def resolve_data_path(data_path: Optional[Sequence[str]]) -> List[str]:
@@ -50,9 +54,12 @@ def build_train_dataset(args, tokenizer) -> GPTDataset:
         eod_mask_loss=False,
         create_attention_mask=False,
         mmap_bin_files=True,
+        # the index caches load while building, under no_pickle_index_loads (deferred, they would load later)
+        defer_npy_index_mmap=False,
     )
     samples = [args.train_iters * args.global_batch_size, 0, 0]
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
+    with no_pickle_index_loads():
+        train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
     if train is None:
         raise DataError(f"--split={args.split!r} leaves no training data in {prefixes}")
     return train

@@ -81,8 +81,11 @@ def _usage_error(rank: int, err: Exception) -> int:
     The other ranks print nothing; they wait for torchrun to stop them once rank 0 has exited, so that rank 0's
     line is not cut off by torchrun ending the group at the first failed rank."""
     if rank == 0:
-        text = " ".join(str(err).split())
-        print(f"pretrain_gpt.py: error: {text}", file=sys.stderr, flush=True)
+        from launch.train.elastic import report_error_to_torchrun
+
+        text = "pretrain_gpt.py: error: " + " ".join(str(err).split())
+        print(text, file=sys.stderr, flush=True)
+        report_error_to_torchrun(text)
     elif os.environ.get("TORCHELASTIC_RUN_ID"):
         import time
 

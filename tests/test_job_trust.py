@@ -56,6 +56,8 @@ def _refused(tmp_path: Path, flags: List[str], *needles: str, nproc: int = 1) ->
         rc, out = _refused_in_process(tmp_path, flags)
     else:
         rc, out = _job(tmp_path, flags, nproc=nproc, expect_rc=None)
+        # torchrun's failure summary names the error (the rank hands it over), not the elastic error docs
+        assert f"traceback : {ERROR}" in out and "To enable traceback" not in out, out[-5000:]
     assert rc != 0, out[-5000:]
     lines = [line for line in out.splitlines() if line.startswith(ERROR)]
     assert len(lines) == 1, f"expected one error line, got {lines}:\n{out[-5000:]}"

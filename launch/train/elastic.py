@@ -35,3 +35,20 @@ def init_process_group(timeout: datetime.timedelta = TIMEOUT) -> bool:
     store = dist.PrefixStore(f"fp8p/attempt{attempt}/", agent_store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+def report_error_to_torchrun(text: str) -> None:
+    """Hand torchrun the one-line error this rank exits with, so that its failure summary names it (its
+    "traceback" field) instead of pointing to the elastic error docs. No-op outside torchrun."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass

@@ -13,7 +13,7 @@ import parallel_state as ps
 
 from .arguments import RunArgs
 from .children import tie_children_to_this_rank
-from .elastic import init_process_group
+from .elastic import init_process_group, report_error_to_torchrun
 
 
 @dataclasses.dataclass
@@ -50,9 +50,10 @@ def _checkpoint_failure(err: Exception) -> int:
     """A checkpoint that cannot be loaded or saved ends the job: one line (per machine), exit status 1.
 
     The checkpoint code raises it on every rank together, so every rank leaves cleanly."""
+    text = "pretrain_gpt.py: error: " + " ".join(str(err).split())
+    report_error_to_torchrun(text)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        text = " ".join(str(err).split())
-        print(f"pretrain_gpt.py: error: {text}", file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
     return 1
 
 

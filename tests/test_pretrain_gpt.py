@@ -246,7 +246,12 @@ def test_bad_input_exits_nonzero_fast_on_every_rank(tmp_path, argv, needle):
     """Checked before any collective: rank 0 says why, once, and exits 2; no hang. The other ranks stay silent
     (polling every 10 s shows they do not print while torchrun has not stopped them)."""
     out = _torchrun(tmp_path, 4, argv, timeout=300, expect_ok=False, launcher=["--monitor-interval", "10"])
-    assert out.count(needle) == 1, out[-5000:]
+    printed = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    summary = [line for line in out.splitlines() if "traceback : pretrain_gpt.py: error:" in line]
+    assert len(printed) == 1 and needle in printed[0], out[-5000:]
+    # torchrun's failure summary names the same error, from rank 0's error file only
+    assert len(summary) == 1 and needle in summary[0], out[-5000:]
+    assert out.count(needle) == 2, out[-5000:]
     assert "exitcode  : 2" in out, out[-5000:]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -275,7 +276,10 @@ def test_no_warnings_but_a_note_and_verbose_shows_them(tmp_path):
         assert text.count("warnings: hiding those expected from third-party code here (--verbose shows") == 1
     _, out = _job(tmp_path, flags + ["--verbose", "--overwrite", "--train-iters", "1"], nproc=2)
     shown = _warnings(out)
-    assert any("all_gather_into_tensor` is deprecated" in w for w in shown), shown
+    from launch.pretrain_gpt import EXPECTED_WARNINGS
+
+    # which of the expected ones appear depends on the torch / megatron-core versions; some always do
+    assert any(re.search(pattern, w) for w in shown for _, pattern in EXPECTED_WARNINGS), shown
     assert "warnings: hiding" not in out
 
 

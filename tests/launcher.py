@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from seeds import ENV_VAR as SEED_ENV_VAR
 from seeds import session_seed
@@ -54,6 +54,47 @@ def job_argv(flags: Iterable[str]) -> List[str]:
     if not flags or any(f == "--preset" or f.startswith("--preset=") for f in flags):
         return flags
     return ["--preset", "none", *flags]
+
+
+def run_job_in_process(cwd: Path, flags: Iterable[str], env: Dict[str, str]) -> Tuple[int, str]:
+    """`launch/pretrain_gpt.py`'s main as one rank, in this process: (exit status, stdout + stderr).
+
+    What torchrun would give a one-rank job (RANK 0 of 1, a free MASTER_PORT) on top of `env`, run in `cwd`
+    with this process's warning filters, environment and working directory restored afterwards. It saves the
+    cost of a new interpreter importing torch and megatron-core (most of a one-rank job's time); a job that
+    leaves torch.distributed or megatron's parallel state up fails the test. Not for what needs a process of
+    its own (resource limits, signals, a terminal): use torchrun there."""
+    import contextlib
+    import io
+    import traceback
+    import warnings
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from launch import pretrain_gpt
+
+    rank_env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(_free_port()))
+    buf = io.StringIO()
+    with contextlib.chdir(cwd), mock.patch.dict(os.environ, rank_env, clear=True), warnings.catch_warnings(), \
+            contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            rc = pretrain_gpt.main(job_argv(flags))
+        except SystemExit as exit_:
+            rc = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except Exception:  # what a rank would print before exiting 1
+            traceback.print_exc()
+            rc = 1
+    out = buf.getvalue()
+    left_up = dist.is_initialized()
+    if left_up:  # tear it down so the next test starts clean, then fail this one
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    assert not left_up, f"the job left torch.distributed initialized (exit {rc}):\n{out[-5000:]}"
+    return rc, out
 
 
 def _free_port() -> int:

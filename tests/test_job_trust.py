@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from launcher import REPO, _free_port, job_argv
+from launcher import REPO, _free_port, job_argv, run_job_in_process
 
 JOB = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -33,11 +33,19 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[int] = 0,
          file_size_limit: Optional[int] = None) -> Tuple[int, str]:
-    """Run the job under torchrun; returns (exit status, output). `file_size_limit` (bytes): RLIMIT_FSIZE of
-    the job, so that a write past it fails with EFBIG (Python ignores SIGXFSZ), a real I/O fault."""
+    """Run the job; returns (exit status, output). More than one rank, or a `file_size_limit`: under torchrun.
+    One rank: its entry point in this process (`run_job_in_process`, several times faster; the multi-rank
+    tests here and the README's commands in test_docs run it under torchrun). `file_size_limit` (bytes):
+    RLIMIT_FSIZE of the job, so that a write past it fails with EFBIG (Python ignores SIGXFSZ), a real I/O
+    fault."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
+    if nproc == 1 and file_size_limit is None:
+        rc, out = run_job_in_process(tmp_path, flags, _env(tmp_path))
+        if expect_rc is not None:
+            assert rc == expect_rc, f"exit {rc}, expected {expect_rc}:\n{out[-8000:]}"
+        return rc, out
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
            f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600,
@@ -72,24 +80,15 @@ def _refused(tmp_path: Path, flags: List[str], *needles: str, nproc: int = 1) ->
 
 
 def _refused_in_process(tmp_path: Path, flags: List[str]) -> Tuple[int, str]:
-    """`launch/pretrain_gpt.py`'s main on one rank, here: (exit status, stdout + stderr)."""
-    import contextlib
-    import io
-    import warnings
+    """`launch/pretrain_gpt.py`'s main on one rank, here, with training replaced by a failure: (exit status,
+    stdout + stderr)."""
     from unittest import mock
-
-    from launch import pretrain_gpt
 
     def trained(*_args, **_kwargs):
         raise AssertionError("the job got past its checks and started training")
 
-    buf = io.StringIO()
-    env = {k: v for k, v in _env(tmp_path).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    with contextlib.chdir(tmp_path), mock.patch.dict(os.environ, env, clear=True), warnings.catch_warnings(), \
-            mock.patch("launch.train.loop.run", trained), contextlib.redirect_stdout(buf), \
-            contextlib.redirect_stderr(buf):
-        rc = pretrain_gpt.main(job_argv(flags))
-    return rc, buf.getvalue()
+    with mock.patch("launch.train.loop.run", trained):
+        return run_job_in_process(tmp_path, flags, _env(tmp_path))
 
 
 def _rows(log: Path) -> List[dict]:

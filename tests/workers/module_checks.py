@@ -407,7 +407,7 @@ def _gpt_checks():  # noqa: C901
                 return out, loss_func
 
             losses = []
-            for _ in range(6):
+            for _ in range(4):  # 4 steps: the loss falls below 0.9x by then; each costs seconds on 8 ranks
                 opt.zero_grad()
                 out = get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=iter(batches), model=model,
@@ -425,6 +425,7 @@ def _gpt_checks():  # noqa: C901
                 if mpu.is_pipeline_last_stage():
                     losses.append(sum(d["loss"].item() for d in out) / 4)
         if mpu.is_pipeline_last_stage():
+            print(f"rank {dist.get_rank()}: {'MoE' if moe else 'dense'} losses {losses}", flush=True)
             assert losses[-1] < 0.9 * losses[0], losses
         if not moe:
             _dist_checkpoint_round_trip(model, lambda: GPTModel(

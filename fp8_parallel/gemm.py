@@ -1,4 +1,5 @@
-"""FP8 GEMM on `torch._scaled_mm`, with the GPU's layout rules enforced on every device.
+"""FP8 GEMM on `torch._scaled_mm` (a float32 matmul on the CPU), with the GPU's layout rules enforced on every
+device.
 
 Convention ("TN", as the FP8 tensor cores want it): `fp8_gemm(a, b)` computes `a @ b.T` for `a: [M, K]` and
 `b: [N, K]`, both row-major with K contiguous. A linear layer's three GEMMs then read:
@@ -110,6 +111,35 @@ def _scale_operand(scale_inv: torch.Tensor) -> torch.Tensor:
     return _aligned(scale_inv)
 
 
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`torch._scaled_mm` with per-tensor scales: `a @ b * scale_a * scale_b (+ bias)` for FP8 `a` `[M, K]`
+    (row-major) and `b` `[K, N]` (column-major), float32 accumulation, result in `out_dtype` (into `out` when
+    given). Every FP8 GEMM of the package goes through here.
+
+    On the CPU it is a float32 matmul of the operands upcast (exactly) and one scaling: the same sums as
+    torch's CPU FP8 kernel up to their order, which is a reference loop (seconds for one 512^3 GEMM, where a
+    float32 matmul takes milliseconds). The compiled host path computes the CPU case with the same operations,
+    so both paths stay bitwise equal. Elsewhere it is `torch._scaled_mm`."""
+    if a.device.type != "cpu":
+        kwargs = {} if out is None else {"out": out}
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=use_fast_accum, **kwargs)
+    result = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
+    if bias is not None:
+        result = result + bias.to(out_dtype).float()
+    result = result.to(out_dtype)
+    return result if out is None else out.copy_(result)
+
+
 def fp8_gemm(
     a: Float8Tensor,
     b: Float8Tensor,
@@ -157,7 +187,7 @@ def fp8_gemm(
             result_dtype = torch.float32  # add the bias after the GEMM (fused only for a bfloat16 result)
         else:
             bias_arg = bias.to(out_dtype)
-    out = torch._scaled_mm(
+    out = scaled_mm(  # (looked up here at each call: tests wrap it through fp8_parallel.testing)
         _aligned(a_data),
         _aligned(b_data).t(),  # [K, N] column-major view: what cuBLAS wants for the second operand
         scale_a=_scale_operand(a._scale_inv),

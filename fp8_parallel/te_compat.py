@@ -148,7 +148,7 @@ class FP8Availability(NamedTuple):
 
 _CPU_PATH = (
     "without one, fp8_parallel runs its FP8 path on the CPU as an emulation (the same FP8 casts, scales, amax "
-    "histories and reductions; torch._scaled_mm on the CPU, float32 accumulation): correct for testing, not fast"
+    "histories and reductions; FP8 GEMMs as float32 matmuls of the upcast operands): correct for testing, not fast"
 )
 
 

@@ -157,14 +157,16 @@ def test_grouped_path_matches_per_expert_path_emulated(rname, monkeypatch):
     testing.set_grouped_gemm(monkeypatch, fp8_device=True)
     misaligned = testing.record_operand_alignment(monkeypatch)
     direct = testing.record_direct_expert_backwards(monkeypatch)
-    real_mm = torch._scaled_mm
+    from fp8_parallel import gemm
+
+    real_mm = gemm.scaled_mm
 
     def checked_mm(a, b, *args, **kwargs):  # every GEMM operand and scale, the direct backward's included
         for t in (a, b, kwargs.get("scale_a"), kwargs.get("scale_b")):
             misaligned.append(t.data_ptr() % 16)
         return real_mm(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "_scaled_mm", checked_mm)
+    monkeypatch.setattr(gemm, "scaled_mm", checked_mm)
     _compare(rname, "cpu", monkeypatch, calls)
     assert misaligned and not any(misaligned), "an FP8 GEMM operand or scale_inv needed an aligning copy"
     # HYBRID with delayed scaling, cached weights (steps 0 and 1) or not (step 2, the weights re-cast in

@@ -331,10 +331,13 @@ def test_gemm_matches_dequantized_float64(gen, m, k, n, out_dtype, with_bias):
 
 def test_gemm_gives_cublas_16_byte_aligned_pointers(gen, monkeypatch):
     """Operands and scale_invs that are views starting off a 16-byte boundary (one buffer shared by several
-    experts' casts) reach `_scaled_mm` as aligned copies, on every device (cuBLAS refuses them on the GPU:
+    experts' casts) reach the GEMM (`gemm.scaled_mm`: `torch._scaled_mm` on the GPU) as aligned copies, on
+    every device (cuBLAS refuses them on the GPU:
     CUBLAS_STATUS_NOT_SUPPORTED for a scale_inv 12 bytes into its buffer on H200); the result is unchanged."""
+    import fp8_parallel.gemm as gemm
+
     seen = []
-    real = torch._scaled_mm
+    real = gemm.scaled_mm
 
     def checking(a, b, scale_a, scale_b, **kwargs):
         seen.append([t.data_ptr() % 16 for t in (a, b, scale_a, scale_b)])
@@ -351,7 +354,7 @@ def test_gemm_gives_cublas_16_byte_aligned_pointers(gen, monkeypatch):
     shifted[1:].copy_(qx._data.view(torch.uint8).reshape(-1))
     odd = Float8Tensor(shifted[1:].view(E4M3).view(40, 32), sinv[3], qx.dtype)
     assert odd._data.data_ptr() % 16 and odd._scale_inv.data_ptr() % 16
-    monkeypatch.setattr(torch, "_scaled_mm", checking)
+    monkeypatch.setattr(gemm, "scaled_mm", checking)
     got = fp8_gemm(odd, qw, torch.float32)
     assert seen == [[0, 0, 0, 0]] and torch.equal(got, want)
 

@@ -161,6 +161,17 @@ Tensor scale_operand(const Tensor& scale_inv) {
   return aligned(s.scalar_type() == at::kFloat ? s : s.to(at::kFloat));
 }
 
+// `gemm.scaled_mm`: torch._scaled_mm with per-tensor scales, a [M, K] row-major, b_kn [K, N] column-major. On the
+// CPU the same operations as the Python side (a float32 matmul of the upcast operands, scaled once; torch's CPU
+// FP8 kernel is a reference loop), so that both paths stay bitwise equal.
+Tensor scaled_mm(const Tensor& a, const Tensor& b_kn, const Tensor& sa, const Tensor& sb, const OptTensor& bias,
+                 at::ScalarType out, bool fast_accum) {
+  if (!a.device().is_cpu()) return at::_scaled_mm(a, b_kn, sa, sb, bias, std::nullopt, out, fast_accum);
+  Tensor r = at::mm(a.to(at::kFloat), b_kn.to(at::kFloat)).mul(sa.mul(sb));
+  if (bias) r = r.add(bias->to(out).to(at::kFloat));
+  return r.to(out);
+}
+
 // `fp8_gemm(a, b)` = a @ b.T for row-major a [M, K], b [N, K]; a bias is fused for a bfloat16 result only
 Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor& b_sinv, const OptTensor& bias,
             at::ScalarType out, bool fast_accum) {
@@ -173,7 +184,7 @@ Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor
 #ifdef FP8P_WITH_CUDA
   if (!lt_scaled_mm(a16, b16, sa, sb, fused_bias, result_type, fast_accum, r))
 #endif
-    r = at::_scaled_mm(a16, b16.t(), sa, sb, fused_bias, std::nullopt, result_type, fast_accum);
+    r = scaled_mm(a16, b16.t(), sa, sb, fused_bias, result_type, fast_accum);
   if (!bias_after) return r;
   r = r + bias->to(at::kFloat);
   return out == at::kFloat ? r : r.to(out);
@@ -188,7 +199,7 @@ void gemm_accumulate(const Tensor& a, const Tensor& b, const Tensor& a_sinv, con
   Tensor r;
   if (lt_scaled_mm(a16, b16, sa, sb, std::nullopt, acc.scalar_type(), false, r, &acc)) return;
 #endif
-  acc.add_(at::_scaled_mm(a16, b16.t(), sa, sb, std::nullopt, std::nullopt, at::kFloat, false));
+  acc.add_(scaled_mm(a16, b16.t(), sa, sb, std::nullopt, at::kFloat, false));
 }
 
 }  // namespace
@@ -498,8 +509,14 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
     for (int64_t e = experts - 1; e >= 0; --e) {
       if (splits[e] == 0) continue;
       Tensor dx = grad_x.narrow(0, starts[e], splits[e]);
-      at::_scaled_mm_out(dx, g_rows->narrow(0, starts[e], splits[e]), w_t[e].t(), g_sinv.select(0, e),
-                         scale_operand(w_sinv[e]), std::nullopt, std::nullopt, dtype_of(x_dtype), false);
+      const Tensor rows = g_rows->narrow(0, starts[e], splits[e]);
+      if (dx.is_cpu()) {
+        dx.copy_(scaled_mm(rows, w_t[e].t(), g_sinv.select(0, e), scale_operand(w_sinv[e]), std::nullopt,
+                           dtype_of(x_dtype), false));
+      } else {
+        at::_scaled_mm_out(dx, rows, w_t[e].t(), g_sinv.select(0, e), scale_operand(w_sinv[e]), std::nullopt,
+                           std::nullopt, dtype_of(x_dtype), false);
+      }
     }
     out[0] = grad_x;
   }
@@ -520,7 +537,7 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
         Tensor acc = *into;
         gemm_accumulate(a, b, sa, sb, acc);
       } else {
-        out[e + 1] = at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, dtype_of(w_dtypes[e]), false);
+        out[e + 1] = scaled_mm(a, b.t(), sa, sb, std::nullopt, dtype_of(w_dtypes[e]), false);
       }
     }
   }

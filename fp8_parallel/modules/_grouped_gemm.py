@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import gemm as _gemm
 from .. import native
 from ..gemm import _scale_operand
 from ..native import DTYPE_CODES
@@ -396,8 +397,8 @@ def direct_expert_gemms(g: RowBlocks, x: RowBlocks, splits: Sequence[int],
         for i in reversed(range(n)):  # the last expert first, as autograd runs the per-expert calls' nodes
             if splits[i]:
                 qw_t, qw_sinv = w_t[i]
-                torch._scaled_mm(g_rows[i], qw_t.t(), scale_a=g_sinv[i], scale_b=_scale_operand(qw_sinv),
-                                 out_dtype=x_dtype, out=dx_rows[i])
+                _gemm.scaled_mm(g_rows[i], qw_t.t(), scale_a=g_sinv[i], scale_b=_scale_operand(qw_sinv),
+                                out_dtype=x_dtype, out=dx_rows[i])
     if any(needs_w):
         x_sinv = x.sinv[::SINV_STRIDE].unbind(0)
         for i in reversed(range(n)):
@@ -412,8 +413,8 @@ def direct_expert_gemms(g: RowBlocks, x: RowBlocks, splits: Sequence[int],
             g_t = g.transposes.as_strided((n_out, pm), (pm, 1), n_out * ps)
             x_t = x.transposes.as_strided((pm, k), (1, pm), k * ps)
             if main_grads[i] is not None:
-                main_grads[i].add_(torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i],
-                                                    out_dtype=torch.float32))
+                main_grads[i].add_(_gemm.scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i],
+                                                   out_dtype=torch.float32))
             else:
-                grad_w[i] = torch._scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i], out_dtype=w_dtypes[i])
+                grad_w[i] = _gemm.scaled_mm(g_t, x_t, scale_a=g_sinv[i], scale_b=x_sinv[i], out_dtype=w_dtypes[i])
     return grad_x, grad_w

@@ -212,8 +212,8 @@ def embedded_default_argv(world_size: int, gpu: bool) -> List[str]:
     """The `default` preset (the README's run) for `world_size` ranks: on CPU ranks a MoE GPT (TP2 x PP2 x EP2
     on 4); on GPUs the same GPT with dense MLPs, in bf16 with CUDA graphs.
 
-    Small on purpose: without a GPU, FP8 GEMMs run through torch's reference CPU kernel (`torch._scaled_mm`),
-    which is orders of magnitude slower than a float32 matmul of the same size."""
+    Small on purpose: without a GPU every rank emulates FP8 on the CPU (FP8 GEMMs as float32 matmuls of the
+    upcast operands), and a CPU machine may hold several ranks per core."""
     # MoE routes data-dependent token counts, which CUDA graphs cannot capture: on GPUs the default is the
     # same GPT with dense MLPs, graphed.
     argv = _small_gpt(world_size, moe=not gpu, save="checkpoints/gpt_default")

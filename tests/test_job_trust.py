@@ -420,3 +420,23 @@ def test_progress_bar_on_a_terminal_plain_lines_when_piped(tmp_path):
     assert proc.wait(timeout=600) == 0
     out = b"".join(chunks).decode(errors="replace")
     assert "train:" in out and "it/s" in out and "iteration      3 | loss" in out, out[-3000:]
+
+
+def test_launcher_wrapper_ends_a_failed_job_with_one_line_and_its_status(tmp_path):
+    """`python launch/torchrun.py` (torchrun's arguments): a usage error comes once, from rank 0, then one
+    launcher line; no torchrun traceback or failure table; exit status 2. A job that succeeds exits 0."""
+    def wrapped(flags: List[str]) -> Tuple[int, str]:
+        cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc_per_node=2", "--nnodes=1",
+               f"--master_port={_free_port()}", str(JOB), *flags]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, out = wrapped(job_argv(TINY + ["--num-layerz", "2"]))
+    assert rc == 2, out[-5000:]
+    assert [line for line in out.splitlines() if line.startswith(ERROR)] == [
+        f"{ERROR} unrecognized arguments: --num-layerz 2; --num-layerz: did you mean --num-layers?"], out[-5000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out and "Root Cause" not in out, out[-5000:]
+    last = out.strip().splitlines()[-1]
+    assert last == f"torchrun: {JOB} failed on rank 0 (exit status 2): the error above", out[-5000:]
+    rc, out = wrapped(["--help"])
+    assert rc == 0 and "usage: pretrain_gpt.py" in out, out[-5000:]

@@ -129,10 +129,12 @@ def scaled_mm(
     torch's CPU FP8 kernel up to their order, which is a reference loop (seconds for one 512^3 GEMM, where a
     float32 matmul takes milliseconds). The compiled host path computes the CPU case with the same operations,
     so both paths stay bitwise equal. Elsewhere it is `torch._scaled_mm`."""
-    if a.device.type != "cpu":
-        kwargs = {} if out is None else {"out": out}
+    if not a.is_cpu:  # (one attribute read: this is on every GEMM's host path)
+        if out is None:
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                                    use_fast_accum=use_fast_accum)
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
-                                use_fast_accum=use_fast_accum, **kwargs)
+                                use_fast_accum=use_fast_accum, out=out)
     result = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
     if bias is not None:
         result = result + bias.to(out_dtype).float()

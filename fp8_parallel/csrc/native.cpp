@@ -172,6 +172,15 @@ Tensor scaled_mm(const Tensor& a, const Tensor& b_kn, const Tensor& sa, const Te
   return r.to(out);
 }
 
+// the same into `dx` (torch._scaled_mm's out variant off the CPU)
+void scaled_mm_into(Tensor& dx, const Tensor& a, const Tensor& b_kn, const Tensor& sa, const Tensor& sb) {
+  if (!dx.is_cpu()) {
+    at::_scaled_mm_out(dx, a, b_kn, sa, sb, std::nullopt, std::nullopt, dx.scalar_type(), false);
+    return;
+  }
+  dx.copy_(scaled_mm(a, b_kn, sa, sb, std::nullopt, dx.scalar_type(), false));
+}
+
 // `fp8_gemm(a, b)` = a @ b.T for row-major a [M, K], b [N, K]; a bias is fused for a bfloat16 result only
 Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& a_sinv, const Tensor& b_sinv, const OptTensor& bias,
             at::ScalarType out, bool fast_accum) {
@@ -509,14 +518,8 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
     for (int64_t e = experts - 1; e >= 0; --e) {
       if (splits[e] == 0) continue;
       Tensor dx = grad_x.narrow(0, starts[e], splits[e]);
-      const Tensor rows = g_rows->narrow(0, starts[e], splits[e]);
-      if (dx.is_cpu()) {
-        dx.copy_(scaled_mm(rows, w_t[e].t(), g_sinv.select(0, e), scale_operand(w_sinv[e]), std::nullopt,
-                           dtype_of(x_dtype), false));
-      } else {
-        at::_scaled_mm_out(dx, rows, w_t[e].t(), g_sinv.select(0, e), scale_operand(w_sinv[e]), std::nullopt,
-                           std::nullopt, dtype_of(x_dtype), false);
-      }
+      scaled_mm_into(dx, g_rows->narrow(0, starts[e], splits[e]), w_t[e].t(), g_sinv.select(0, e),
+                     scale_operand(w_sinv[e]));
     }
     out[0] = grad_x;
   }

@@ -245,18 +245,22 @@ class AmaxTable:
         history = torch.cat([m.amax_history for m in metas])
         scale = torch.cat([m.scale for m in metas])
         new_history, new_scale, nonfinite = update_history_and_scale(
-            history, scale, amax, fp8_max, recipe.margin, recipe.amax_compute_algo
+            history, scale, amax, fp8_max, recipe.margin, recipe.amax_compute_algo,
+            recipe.scaling_factor_compute_algo, recipe,
         )
         torch._foreach_copy_([m.amax_history for m in metas], list(new_history.split(sizes)))
         torch._foreach_copy_([m.scale for m in metas], list(new_scale.split(sizes)))
         torch._foreach_add_([m.nonfinite_count for m in metas], list(nonfinite.long().split(sizes)))
 
     def _fused_update(self, amax: torch.Tensor, recipe: DelayedScaling, fp8_max: float, layout: _LayoutInfo) -> bool:
-        """One Triton kernel for all tensors (CUDA, "max"/"most_recent", one history length)."""
+        """One Triton kernel for all tensors (CUDA, "max"/"most_recent", the default scale rule, one history
+        length)."""
         from . import triton_kernels
 
         algo = recipe.amax_compute_algo
         if not triton_kernels.AVAILABLE or amax.device.type != "cuda" or algo not in ("max", "most_recent"):
+            return False
+        if recipe.scaling_factor_compute_algo is not None:  # the user's rule runs as torch ops
             return False
         if layout.history_lens != {recipe.amax_history_len}:
             return False

@@ -1,4 +1,4 @@
-"""FP8 formats and scaling recipes: plain, frozen, hashable configuration.
+"""FP8 formats and scaling recipes: plain, mutable configuration, as TransformerEngine's.
 
 The names follow TransformerEngine's `transformer_engine.common.recipe`, so `from fp8_parallel import recipe`
 stands in for `from transformer_engine.common import recipe`: `Format` (whose values carry `max_fwd` /
@@ -6,11 +6,13 @@ stands in for `from transformer_engine.common import recipe`: `Format` (whose va
 `Recipe` base with its kind predicates. The recipes' fields, their order and defaults are TransformerEngine's.
 TransformerEngine fields that select behaviour we do not implement are accepted at their defaults and
 refused, with the reason, at any other value. Its block-scaled recipes exist as names that refuse to be
-constructed and say what to use instead. Unlike TransformerEngine's, recipes are immutable (they key the
-autocast scopes): `dataclasses.replace(recipe, field=value)` makes a changed copy.
+constructed and say what to use instead. As in TransformerEngine, a recipe's fields may be assigned
+(`recipe.margin = 1`); each `autocast` entry takes a validated snapshot (`snapshot`), which keys its scope, so
+changing a recipe between steps is safe and never makes two different settings share one scope.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
@@ -30,6 +32,7 @@ __all__ = [
     "QParams",
     "Recipe",
     "fp8_max",
+    "snapshot",
 ]
 
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
@@ -201,7 +204,7 @@ def _check_common(recipe: Any) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class DelayedScaling(Recipe):
     """Delayed scaling: each tensor's scale comes from a history of past amaxes (TransformerEngine's rule).
 
@@ -216,7 +219,11 @@ class DelayedScaling(Recipe):
             layout, `[history_len, num_tensors]` with the newest amaxes in row 0, and returning `[num_tensors]`
             amaxes (e.g. `lambda h: h.max(dim=0).values`; another shape is an error naming it). Part of the
             recipe's identity: two recipes that differ only here are different autocast scope keys.
-        scaling_factor_compute_algo: only None (the rule above); a custom scale rule is refused.
+        scaling_factor_compute_algo: None (the rule above) or a callable `(amax, scale, fp8_max, recipe)` ->
+            new scales, as in TransformerEngine: `amax` and `scale` are `[num_tensors]` float32 (the amaxes taken
+            from the history and the current scales), `fp8_max` the format's largest value (a float); it must
+            return `[num_tensors]` scales. Tensors whose amax is 0 or not finite keep their scale whatever it
+            returns.
         reduce_amax: all-reduce (MAX) amaxes over the scope's group before updating.
         fp8_dpa, fp8_mha: only False (no FP8 attention).
         backward_override: only None.
@@ -233,6 +240,14 @@ class DelayedScaling(Recipe):
     backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (construction does, and so does each autocast entry: fields may be reassigned).
+
+        Raises:
+            ValueError / NotImplementedError: naming the field and its value.
+        """
         _check_format(self.fp8_format)
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin={self.margin!r} must be a non-negative integer")
@@ -241,17 +256,16 @@ class DelayedScaling(Recipe):
         algo = self.amax_compute_algo
         if not callable(algo) and algo not in _ALGOS:
             raise ValueError(f"amax_compute_algo={algo!r} must be one of {_ALGOS} or a callable")
-        if self.scaling_factor_compute_algo is not None:
-            raise NotImplementedError(
-                f"scaling_factor_compute_algo={self.scaling_factor_compute_algo!r}: a custom scale rule is not "
-                "supported; scales are fp8_max / amax / 2**margin (TransformerEngine's default). Leave it None."
-            )
+        sf = self.scaling_factor_compute_algo
+        if sf is not None and not callable(sf):
+            raise ValueError(f"scaling_factor_compute_algo={sf!r} must be None or a callable "
+                             "(amax, scale, fp8_max, recipe) -> scale")
         if not isinstance(self.reduce_amax, bool):
             raise ValueError(f"reduce_amax={self.reduce_amax!r} must be a bool")
         _check_common(self)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class CurrentScaling(Recipe):
     """Current (just-in-time) scaling: each cast takes its scale from the tensor being cast, no history.
 
@@ -282,8 +296,16 @@ class CurrentScaling(Recipe):
     eps: float = 1e-12
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (construction does, and so does each autocast entry: fields may be reassigned).
+
+        Raises:
+            ValueError / NotImplementedError: naming the field and its value.
+        """
         _check_format(self.fp8_format)
-        if not self.eps > 0:
+        if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
             raise ValueError(f"eps={self.eps!r} must be positive")
         if self.use_power_2_scales:
             raise NotImplementedError(
@@ -326,15 +348,33 @@ Float8CurrentScaling = CurrentScaling
 """TransformerEngine's name for `CurrentScaling`."""
 
 
-def _immutable(self: Recipe, name: str, value: Any) -> None:  # noqa: ARG001
-    raise dataclasses.FrozenInstanceError(
-        f"cannot assign to field {name!r}: fp8_parallel recipes are immutable (they key the autocast scopes); "
-        f"make a changed copy with dataclasses.replace(recipe, {name}=...)"
-    )
+_SNAPSHOT = "_fp8p_snapshot"  # on a user's recipe: (its field values, the snapshot taken of them)
 
 
-DelayedScaling.__setattr__ = _immutable  # type: ignore[method-assign]
-CurrentScaling.__setattr__ = _immutable  # type: ignore[method-assign]
+def snapshot(recipe: Recipe) -> Recipe:
+    """A validated copy of `recipe` as it is now, the one an autocast scope keeps and keys by.
+
+    The same object comes back while the recipe's fields keep their values, so the modules' per-recipe
+    preparation is not redone every step; after a field is reassigned, a new copy (a new scope key).
+
+    Raises:
+        ValueError / NotImplementedError: a field was set to a value the recipe refuses (naming it).
+    """
+    values = tuple(getattr(recipe, f.name) for f in dataclasses.fields(recipe))
+    cached = recipe.__dict__.get(_SNAPSHOT)
+    if cached is not None and _same_values(cached[0], values):
+        return cached[1]
+    recipe.validate()
+    copied = copy.copy(recipe)
+    copied.__dict__.pop(_SNAPSHOT, None)
+    copied.__dict__[_SNAPSHOT] = (values, copied)  # a snapshot is its own snapshot
+    recipe.__dict__[_SNAPSHOT] = (values, copied)
+    return copied
+
+
+def _same_values(a: tuple, b: tuple) -> bool:
+    """Field values equal, callables compared by identity (a new lambda is a new rule)."""
+    return len(a) == len(b) and all(x is y or (not callable(x) and type(x) is type(y) and x == y) for x, y in zip(a, b))
 
 
 class _NotImplementedRecipe(Recipe):

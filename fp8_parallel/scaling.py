@@ -1,7 +1,7 @@
 """Scale arithmetic and the batched amax-history/scale update (no host synchronization anywhere)."""
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
@@ -61,6 +61,8 @@ def update_history_and_scale(
     fp8_max: torch.Tensor,
     margin: int,
     algo: AmaxComputeAlgo,
+    scale_rule: Optional[Callable[..., torch.Tensor]] = None,
+    recipe: Any = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One delayed-scaling step for `n` tensors at once, as a fixed handful of batched ops.
 
@@ -68,7 +70,9 @@ def update_history_and_scale(
         history: `[n, L]`, newest amax in column 0.
         scale: `[n]` current scales.
         new_amax: `[n]` (already reduced) amaxes of this iteration.
-        fp8_max: `[n]` format maximum of each tensor.
+        fp8_max: `[n]` format maximum of each tensor, or one float for all.
+        scale_rule: a recipe's `scaling_factor_compute_algo`, called as TransformerEngine calls it,
+            `scale_rule(amax, scale, fp8_max, recipe)` -> `[n]` scales, instead of `scale_from_amax`.
 
     Returns:
         (new_history, new_scale, nonfinite): a tensor whose amax is 0 (it did not run anywhere in the group)
@@ -80,5 +84,25 @@ def update_history_and_scale(
     rolled = torch.cat([new_amax.float().unsqueeze(1), history[:, :-1]], dim=1)
     new_history = torch.where(rolls.unsqueeze(1), rolled, history)
     amax = amax_from_history(new_history, algo)
-    new_scale = torch.where(rolls, scale_from_amax(amax, scale, fp8_max, margin), scale)
+    if scale_rule is None:
+        computed = scale_from_amax(amax, scale, fp8_max, margin)
+    else:
+        computed = custom_scale(scale_rule, amax, scale, fp8_max, recipe)
+    new_scale = torch.where(rolls, computed, scale)
     return new_history, new_scale, nonfinite
+
+
+def custom_scale(rule: Callable[..., torch.Tensor], amax: torch.Tensor, scale: torch.Tensor,
+                 fp8_max: Union[float, torch.Tensor], recipe: Any) -> torch.Tensor:
+    """`rule(amax, scale, fp8_max, recipe)` (a recipe's `scaling_factor_compute_algo`) as float32 `[n]`.
+
+    Raises:
+        ValueError: the rule returned something else than one scale per tensor (naming the rule and shape).
+    """
+    out = rule(amax, scale.clone(), fp8_max, recipe)  # a clone: a rule that writes into `scale` changes nothing
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(scale.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"scaling_factor_compute_algo {getattr(rule, '__name__', rule)!r}: given amax and scale of "
+                         f"shape {list(scale.shape)}, it must return one scale per tensor, shape {list(scale.shape)}; "
+                         f"got {got}")
+    return out.to(device=scale.device, dtype=torch.float32)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .amax_table import AmaxTable
-from .recipe import DelayedScaling, Recipe
+from .recipe import DelayedScaling, Recipe, snapshot
 
 
 def _default_group() -> Optional[dist.ProcessGroup]:
@@ -277,6 +277,8 @@ class autocast:
                             "or None")
         self.enabled = bool(enabled)
         self.recipe = (recipe if recipe is not None else DelayedScaling()) if self.enabled else None
+        if self.recipe is not None:
+            self.recipe.validate()  # a field reassigned to a refused value is named here, not in a module
         self.group = group
         self._scope: Optional[_Scope] = None
 
@@ -293,20 +295,21 @@ class autocast:
         if not self.enabled:
             scope = _Scope(False, None, None, None, False, grad, recorder)
         else:
+            recipe = snapshot(self.recipe)  # the recipe as it is at entry: later assignments to it start a new key
             group = self.group if self.group is not None else _default_group()
             shared = next(
                 (s for s in reversed(_SCOPE_STACK)
-                 if s.enabled and s.recipe == self.recipe and s.group is group and s.training == grad
+                 if s.enabled and s.recipe == recipe and s.group is group and s.training == grad
                  and s.recorder is recorder),  # a recording never shares keys from outside it
                 None,
             )
             if shared is not None:
-                scope = _Scope(True, self.recipe, group, shared.state, False, grad, recorder)
+                scope = _Scope(True, recipe, group, shared.state, False, grad, recorder)
             elif recorder is not None:  # recording a graphed callable: collect, never reduce
-                scope = _Scope(True, self.recipe, group, recorder.key(self.recipe, group, caller=False), False,
+                scope = _Scope(True, recipe, group, recorder.key(recipe, group, caller=False), False,
                                grad, recorder)
             else:
-                scope = _owned_or_companion_scope(self.recipe, group, grad)
+                scope = _owned_or_companion_scope(recipe, group, grad)
         _SCOPE_STACK.append(scope)
         self._scope = scope
         return self
@@ -332,7 +335,7 @@ def recording_scope(recorder: Recorder, enabled: bool, recipe: Optional[Recipe])
     (the capture scope's own key, and one per scope opened inside), and nothing is reduced."""
     grad = torch.is_grad_enabled()
     if enabled:
-        recipe = recipe if recipe is not None else DelayedScaling()
+        recipe = snapshot(recipe if recipe is not None else DelayedScaling())
         scope = _Scope(True, recipe, None, recorder.key(recipe, None, caller=True), False, grad, recorder)
     else:
         scope = _Scope(False, None, None, None, False, grad, recorder)

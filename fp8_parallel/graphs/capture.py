@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..recipe import DelayedScaling, Recipe
+from ..recipe import DelayedScaling, Recipe, snapshot
 from ..scopes import Recorder
 from .arguments import _flatten_outputs, _Signature
 from .graphed_callable import GraphedCallable
@@ -199,6 +199,8 @@ def make_graphed_callables(  # noqa: C901
         kwargs_list = expand_samples([sample_kwargs] if single else list(sample_kwargs), "sample_kwargs", layout)
     if any(fp8_per_callable) and fp8_recipe is None:
         fp8_recipe = DelayedScaling()
+    if fp8_recipe is not None:
+        fp8_recipe = snapshot(fp8_recipe)  # the recipe as captured: later assignments to it do not change the graphs
     for i, func in enumerate(funcs):
         if isinstance(func, torch.nn.Module):
             _check_module(i, func)

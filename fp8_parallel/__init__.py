@@ -32,6 +32,7 @@ from .te_compat import (
     quantized_model_init,
 )
 from .te_checkpoint import checkpoint
+from .te_dtype import DType
 from .tensor import Float8Tensor
 
 # name -> module it lives in; imported on first access because these import megatron-core
@@ -47,6 +48,7 @@ __all__ = [
     "AmaxLayoutMismatch",
     "ColumnParallelLinear",
     "CurrentScaling",
+    "DType",
     "DelayedScaling",
     "DotProductAttention",
     "FP8Availability",

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .recipe import fp8_max
+from .te_dtype import DType, torch_dtype
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 aten = torch.ops.aten
@@ -59,6 +60,11 @@ def _fill_transpose(dst: torch.Tensor, data: torch.Tensor, noop_flag: Optional[t
 class Float8Tensor(torch.Tensor):
     """An FP8 tensor that stands for a high-precision tensor of dtype `dtype`.
 
+    `Float8Tensor(data, scale_inv, dtype)`, or with TransformerEngine's keywords: `Float8Tensor(shape=...,
+    dtype=..., data=..., fp8_scale_inv=..., fp8_dtype=DType.kFloat8E4M3, requires_grad=..., data_transpose=...,
+    quantizer=...)` (`fake_dtype` for `dtype`; `shape` and `fp8_dtype` must match `data`; a given
+    `data_transpose` becomes the transpose buffer, taken as current).
+
     Attributes:
         _data: the FP8 payload (float8_e4m3fn or float8_e5m2), same shape as the tensor.
         _scale_inv: float32 scalar tensor; `dequantize() == _data * _scale_inv`. Kept from quantization time.
@@ -72,11 +78,29 @@ class Float8Tensor(torch.Tensor):
     def __new__(
         cls,
         data: torch.Tensor,
-        scale_inv: torch.Tensor,
-        dtype: torch.dtype = torch.bfloat16,
+        scale_inv: Optional[torch.Tensor] = None,
+        dtype: Optional[torch.dtype] = None,
         transpose_cache: Optional[_TransposeCache] = None,
         requires_grad: bool = False,
+        *,
+        fp8_scale_inv: Optional[torch.Tensor] = None,
+        fp8_dtype: Union[DType, torch.dtype, None] = None,
+        shape: Optional[Any] = None,
+        fake_dtype: Optional[torch.dtype] = None,
+        data_transpose: Optional[torch.Tensor] = None,
+        quantizer: Any = None,
     ):
+        if fp8_scale_inv is not None:
+            if scale_inv is not None:
+                raise TypeError("Float8Tensor: give scale_inv or fp8_scale_inv, not both")
+            scale_inv = fp8_scale_inv
+        if scale_inv is None:
+            raise TypeError("Float8Tensor: scale_inv (TransformerEngine's fp8_scale_inv) is required")
+        dtype = dtype if dtype is not None else (fake_dtype if fake_dtype is not None else torch.bfloat16)
+        if fp8_dtype is not None and torch_dtype(fp8_dtype) != data.dtype:
+            raise TypeError(f"Float8Tensor: fp8_dtype={fp8_dtype} but data is {data.dtype}")
+        if shape is not None and tuple(shape) != tuple(data.shape):
+            raise ValueError(f"Float8Tensor: shape={tuple(shape)} but data has shape {tuple(data.shape)}")
         if data.dtype not in FP8_DTYPES:
             raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
         if dtype in FP8_DTYPES or not dtype.is_floating_point:
@@ -87,7 +111,19 @@ class Float8Tensor(torch.Tensor):
         self._data = data
         self._scale_inv = scale_inv
         self._transpose_cache = transpose_cache if transpose_cache is not None else _TransposeCache()
+        self._quantizer = quantizer
+        if data_transpose is not None:
+            if tuple(data_transpose.shape) != self._transpose_shape() or data_transpose.dtype != data.dtype:
+                raise ValueError(f"Float8Tensor: data_transpose of shape {tuple(data_transpose.shape)} and dtype "
+                                 f"{data_transpose.dtype}; expected {self._transpose_shape()} and {data.dtype}")
+            self._transpose_cache.buffer = data_transpose
+            self._transpose_cache.version = self._data_version()
         return self
+
+    @property
+    def _fp8_dtype(self) -> DType:
+        """The FP8 format as TransformerEngine's `DType` (its tensors' attribute)."""
+        return DType.from_torch(self._data.dtype)
 
     # ---- plain API -------------------------------------------------------------------------------------
     @property
@@ -154,6 +190,32 @@ class Float8Tensor(torch.Tensor):
         self._data.copy_(fp8)
         self._transpose_cache.writes += 1
 
+    @property
+    def data(self) -> "Float8Tensor":
+        """This tensor without autograd history (the same FP8 storage, scale and transpose buffer)."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """`x.data = t`, as TransformerEngine's Float8Tensor: a Float8Tensor `t` lends its FP8 data and scale
+        (shape, device and dtype follow it; the transpose buffer starts empty); a high-precision `t` of this
+        shape and device is quantized into this tensor's data in place with its current scale."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Float8Tensor.data = {type(value).__name__}: expected a tensor")
+        if not isinstance(value, Float8Tensor):
+            if value.shape != self.shape or value.device != self.device:
+                raise ValueError(f"Float8Tensor.data = a tensor of shape {tuple(value.shape)} on {value.device}: "
+                                 f"a high-precision tensor is quantized in place, so it must have this tensor's "
+                                 f"shape {tuple(self.shape)} and device {self.device}")
+            self.quantize_(value)
+            return
+        if (value.shape, value.stride(), value.dtype, value.device) != (self.shape, self.stride(), self.dtype, self.device):
+            shell = torch.Tensor._make_wrapper_subclass(type(self), value.shape, strides=value.stride(),
+                                                        dtype=value.dtype, device=value.device)
+            torch.Tensor.data.__set__(self, shell)
+        self._data, self._scale_inv = value._data, value._scale_inv
+        self._transpose_cache = _TransposeCache()
+
     def quantize_(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> "Float8Tensor":
         """Quantize `x` into this tensor in place (same addresses). `scale` defaults to `1 / scale_inv`."""
         if scale is None:
@@ -187,11 +249,10 @@ class Float8Tensor(torch.Tensor):
             return handler(func, args, kwargs)
         if _is_inplace(func) and args and isinstance(args[0], Float8Tensor):
             return _inplace_via_high_precision(func, args, kwargs)
-        if func in _LIKE_FACTORIES:
-            return func(*tree_map(_dequantize_if_fp8, args), **kwargs)
-        raise NotImplementedError(
-            f"Float8Tensor does not support {func}; call .dequantize() first (or use fp8_parallel.gemm)"
-        )
+        # any other op (arithmetic, comparisons, unary math, a matmul, the `*_like` factories) runs on the
+        # dequantized values in the tensor's high-precision dtype and returns a plain tensor, as
+        # TransformerEngine's quantized tensors do; fp8_parallel.gemm is the FP8 GEMM
+        return func(*tree_map(_dequantize_if_fp8, args), **tree_map(_dequantize_if_fp8, kwargs))
 
 
 def _rebuild_float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> Float8Tensor:
@@ -269,4 +330,3 @@ _HANDLERS = {
     aten.copy_.default: _copy_,
     aten.is_same_size.default: lambda f, a, k: a[0].shape == a[1].shape,  # noqa: ARG005
 }
-_LIKE_FACTORIES = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default}

@@ -23,7 +23,9 @@ from .te_compat import (
     FP8Availability,
     fp8_autocast,
     fp8_model_init,
+    get_cudnn_version,
     get_default_recipe,
+    get_device_compute_capability,
     is_bf16_available,
     is_fp8_available,
     is_fp8_block_scaling_available,
@@ -42,11 +44,14 @@ _LAZY = {
     "ColumnParallelLinear": ".modules",
     "RowParallelLinear": ".modules",
     "LayerNormColumnParallelLinear": ".modules",
+    # TransformerEngine's RNG tracker API (add, fork, get_states, set_states, reset) is megatron-core's class
+    "CudaRNGStatesTracker": "megatron.core.tensor_parallel.random",
 }
 
 __all__ = [
     "AmaxLayoutMismatch",
     "ColumnParallelLinear",
+    "CudaRNGStatesTracker",
     "CurrentScaling",
     "DType",
     "DelayedScaling",
@@ -72,7 +77,9 @@ __all__ = [
     "fp8_autocast",
     "fp8_max",
     "fp8_model_init",
+    "get_cudnn_version",
     "get_default_recipe",
+    "get_device_compute_capability",
     "is_bf16_available",
     "is_fp8_available",
     "is_fp8_block_scaling_available",

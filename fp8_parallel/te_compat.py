@@ -8,7 +8,7 @@ amax_reduction_group)`; `fp8_autocast` takes TransformerEngine's older keyword n
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,9 @@ __all__ = [
     "FP8Availability",
     "fp8_autocast",
     "fp8_model_init",
+    "get_cudnn_version",
     "get_default_recipe",
+    "get_device_compute_capability",
     "is_bf16_available",
     "is_fp8_available",
     "is_fp8_block_scaling_available",
@@ -32,14 +34,46 @@ __all__ = [
 _NO_FP8_PARAMETERS = ("FP8 parameters are not implemented: parameters stay in params_dtype, and their FP8 cast is "
                       "cached per step with forward(..., is_first_microbatch=True/False)")
 
+_UB = "userbuffers communication overlap is not implemented (the ub_* options are refused)"
+_PERMUTE = "token permutation for experts comes from megatron's MoE token dispatcher"
+_OFFLOAD = "activation CPU offload is not implemented"
+_QUANTIZER = ("TransformerEngine's quantizer objects are not provided: the modules cast from their own FP8 state "
+              "(`module.fp8`), and fp8_parallel.quantize.quantize(x, scale, fp8_dtype) returns a Float8Tensor")
+_BLOCK = "only per-tensor FP8 scaling is implemented (MXFP8, block-scaled FP8 and NVFP4 are not)"
+_NEWTON = "TransformerEngine's Newton-Schulz orthogonalization (for Muon) is not provided"
 TE_NAMES_NOT_PROVIDED = {
     "InferenceParams": "there is no KV cache for inference: the modules refuse inference_params",
     "Fp8Padding": "GroupedLinear takes any m_splits: FP8 GEMM alignment is handled inside, no padding needed",
     "Fp8Unpadding": "GroupedLinear takes any m_splits: FP8 GEMM alignment is handled inside, no padding needed",
-    "initialize_ub": "userbuffers communication overlap is not implemented (the ub_* options are refused)",
-    "get_cpu_offload_context": "activation CPU offload is not implemented",
-    "moe_permute": "token permutation for experts comes from megatron's MoE token dispatcher",
-    "moe_unpermute": "token permutation for experts comes from megatron's MoE token dispatcher",
+    "initialize_ub": _UB, "destroy_ub": _UB, "UserBufferQuantizationMode": _UB,
+    "get_cpu_offload_context": _OFFLOAD, "mark_not_offload": _OFFLOAD, "ManualOffloadSynchronizer": _OFFLOAD,
+    **{name: _PERMUTE for name in ("moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs",
+                                   "moe_unpermute", "moe_sort_chunks_by_index",
+                                   "moe_sort_chunks_by_index_with_probs")},
+    **{name: _QUANTIZER for name in ("Quantizer", "QuantizedTensor", "QuantizedTensorStorage", "Float8Quantizer",
+                                     "Float8CurrentScalingQuantizer", "Float8TensorStorage", "HybridQuantizer",
+                                     "HybridQuantizedTensor", "HybridQuantizedTensorStorage", "IdentityQuantizer",
+                                     "IdentityTensor", "IdentityTensorStorage", "QuantizerRole", "QuantizerRequest",
+                                     "DelayedScalingRequest", "quantizer_factory", "apply_recipe",
+                                     "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx")},
+    **{name: _BLOCK for name in ("MXFP8Quantizer", "Float8BlockQuantizer", "NVFP4Quantizer", "MXFP8Tensor",
+                                 "Float8BlockwiseQTensor", "NVFP4Tensor", "MXFP8TensorStorage",
+                                 "Float8BlockwiseQTensorStorage", "NVFP4TensorStorage")},
+    **{name: _NEWTON for name in ("newton_schulz", "newton_schulz_tp", "CusolverMpCtx")},
+    "GatedDeltaNetAttention": "only softmax attention is provided (DotProductAttention, MultiheadAttention)",
+    "FusedMLAQUpProjFunction": "multi-head latent attention's fused projections are not provided",
+    "FusedMLAQUpProjRopeQuant": "multi-head latent attention's fused projections are not provided",
+    "RotaryPositionEmbedding": ("pass rotary frequencies as rotary_pos_emb to MultiheadAttention / TransformerLayer "
+                                "(megatron.core.models.common.embeddings.RotaryEmbedding makes them)"),
+    "CPLoadBalancingStrategy": "context parallelism takes megatron's sequence split; no load-balancing choice",
+    "constants": "TransformerEngine's constants module is not provided; its DType is fp8_parallel.DType",
+    "ops": "TransformerEngine's fusible-operations API (te.ops) is not provided: use the modules",
+    "optimizers": ("use torch.optim (e.g. torch.optim.AdamW(fused=True)) or megatron-core's optimizer "
+                   "(megatron.core.optimizer)"),
+    "onnx_export": "ONNX export is not provided",
+    "parallel_cross_entropy": "use megatron.core.tensor_parallel.vocab_parallel_cross_entropy",
+    "interleave_glu_tensor": "not provided: GLU weights are kept in one layout ([gate; up] halves)",
+    "deinterleave_glu_tensor": "not provided: GLU weights are kept in one layout ([gate; up] halves)",
 }
 """TransformerEngine names this package does not provide, with what to use instead (the AttributeError that
 `fp8_parallel.<name>` raises says it)."""
@@ -222,3 +256,28 @@ def is_bf16_available(return_reason: bool = True) -> FP8Availability:
         return FP8Availability(False, f"device compute capability 8.0 or higher required for BF16 execution "
                                       f"({torch.cuda.get_device_name()} has {major}.{minor})")
     return FP8Availability(True, "")
+
+
+def get_device_compute_capability() -> Tuple[int, int]:
+    """TransformerEngine's `get_device_compute_capability`: `(major, minor)` of the current CUDA device.
+
+    Raises:
+        RuntimeError: no CUDA device is visible.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("get_device_compute_capability: no CUDA device is visible")
+    return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))  # type: ignore[return-value]
+
+
+def get_cudnn_version() -> Tuple[int, int, int]:
+    """TransformerEngine's `get_cudnn_version`: `(major, minor, patch)` of the cuDNN torch loaded.
+
+    Raises:
+        RuntimeError: this torch has no cuDNN.
+    """
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if not version:
+        raise RuntimeError("get_cudnn_version: this torch build has no cuDNN")
+    major, rest = divmod(version, 10000) if version >= 10000 else divmod(version, 1000)
+    minor, patch = divmod(rest, 100)
+    return major, minor, patch

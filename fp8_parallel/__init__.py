@@ -13,6 +13,7 @@ from typing import Any, List
 
 from . import recipe
 from .amax_table import AmaxLayoutMismatch
+from .global_state import FP8GlobalStateManager
 from .graphs import GraphedCallable, make_graphed_callables
 from .modules import (DotProductAttention, FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear,
                       MultiheadAttention, RMSNorm, TransformerLayer)
@@ -57,6 +58,7 @@ __all__ = [
     "DelayedScaling",
     "DotProductAttention",
     "FP8Availability",
+    "FP8GlobalStateManager",
     "FP8State",
     "Float8CurrentScaling",
     "Float8Tensor",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, List
 
-from . import recipe
+from . import ops, recipe
 from .amax_table import AmaxLayoutMismatch
 from .global_state import FP8GlobalStateManager
 from .graphs import GraphedCallable, make_graphed_callables
@@ -90,6 +90,7 @@ __all__ = [
     "make_graphed_callables",
     "megatron",
     "nonfinite_amax_count",
+    "ops",
     "pipeline",
     "quantized_model_init",
     "recipe",

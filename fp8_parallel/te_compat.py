@@ -67,7 +67,6 @@ TE_NAMES_NOT_PROVIDED = {
                                 "(megatron.core.models.common.embeddings.RotaryEmbedding makes them)"),
     "CPLoadBalancingStrategy": "context parallelism takes megatron's sequence split; no load-balancing choice",
     "constants": "TransformerEngine's constants module is not provided; its DType is fp8_parallel.DType",
-    "ops": "TransformerEngine's fusible-operations API (te.ops) is not provided: use the modules",
     "optimizers": ("use torch.optim (e.g. torch.optim.AdamW(fused=True)) or megatron-core's optimizer "
                    "(megatron.core.optimizer)"),
     "onnx_export": "ONNX export is not provided",

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..ops import L2Normalization
 from ._deferred_init import no_init, record_init, recorded_inits
 from ._main_grad import weight_for_gemm
 from ._te_options import check_te_options, resolve_device
@@ -75,17 +76,6 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
     head, rest = t[..., :rot], t[..., rot:]
     return torch.cat((head * cos + _rotate_half(head, interleaved) * sin, rest), dim=-1)
-
-
-class _L2Normalization(torch.nn.Module):
-    """TransformerEngine's `L2Normalization`: `x / sqrt(sum(x**2) + eps)` over the last dimension."""
-
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.float().square().sum(-1, keepdim=True) + self.eps).to(x.dtype)
 
 
 class _SplitParameters:
@@ -364,7 +354,7 @@ class MultiheadAttention(torch.nn.Module):
         if kind is None:
             return None, None
         if kind == "L2Normalization":
-            norm = _L2Normalization(eps)
+            norm = L2Normalization(eps)
             return norm, norm  # parameter-free: one instance, as in TransformerEngine
         cls = RMSNorm if kind == "RMSNorm" else LayerNorm
         device = resolve_device(device)

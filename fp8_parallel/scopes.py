@@ -278,7 +278,7 @@ class autocast:
         self.enabled = bool(enabled)
         self.recipe = (recipe if recipe is not None else DelayedScaling()) if self.enabled else None
         if self.recipe is not None:
-            self.recipe.validate()  # a field reassigned to a refused value is named here, not in a module
+            snapshot(self.recipe)  # a field set to a refused value is named here (checked only after a change)
         self.group = group
         self._scope: Optional[_Scope] = None
 

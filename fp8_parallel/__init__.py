@@ -15,6 +15,7 @@ from . import ops, recipe
 from .amax_table import AmaxLayoutMismatch
 from .global_state import FP8GlobalStateManager
 from .graphs import GraphedCallable, make_graphed_callables
+from .quantizers import Float8CurrentScalingQuantizer, Float8Quantizer, QuantizedTensor, Quantizer
 from .modules import (DotProductAttention, FP8State, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear,
                       MultiheadAttention, RMSNorm, TransformerLayer)
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling, Format, fp8_max
@@ -61,6 +62,8 @@ __all__ = [
     "FP8GlobalStateManager",
     "FP8State",
     "Float8CurrentScaling",
+    "Float8CurrentScalingQuantizer",
+    "Float8Quantizer",
     "Float8Tensor",
     "Format",
     "GraphedCallable",
@@ -71,6 +74,8 @@ __all__ = [
     "LayerNormMLP",
     "Linear",
     "MultiheadAttention",
+    "QuantizedTensor",
+    "Quantizer",
     "RMSNorm",
     "RowParallelLinear",
     "TransformerLayer",

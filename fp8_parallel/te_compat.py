@@ -37,8 +37,9 @@ _NO_FP8_PARAMETERS = ("FP8 parameters are not implemented: parameters stay in pa
 _UB = "userbuffers communication overlap is not implemented (the ub_* options are refused)"
 _PERMUTE = "token permutation for experts comes from megatron's MoE token dispatcher"
 _OFFLOAD = "activation CPU offload is not implemented"
-_QUANTIZER = ("TransformerEngine's quantizer objects are not provided: the modules cast from their own FP8 state "
-              "(`module.fp8`), and fp8_parallel.quantize.quantize(x, scale, fp8_dtype) returns a Float8Tensor")
+_QUANTIZER = ("only the per-tensor quantizers are provided (fp8_parallel.Quantizer, Float8Quantizer, "
+              "Float8CurrentScalingQuantizer), and their results are Float8Tensors (QuantizedTensor): there are no "
+              "storage-only, hybrid or identity variants, quantizer roles or requests")
 _BLOCK = "only per-tensor FP8 scaling is implemented (MXFP8, block-scaled FP8 and NVFP4 are not)"
 _NEWTON = "TransformerEngine's Newton-Schulz orthogonalization (for Muon) is not provided"
 TE_NAMES_NOT_PROVIDED = {
@@ -50,8 +51,7 @@ TE_NAMES_NOT_PROVIDED = {
     **{name: _PERMUTE for name in ("moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs",
                                    "moe_unpermute", "moe_sort_chunks_by_index",
                                    "moe_sort_chunks_by_index_with_probs")},
-    **{name: _QUANTIZER for name in ("Quantizer", "QuantizedTensor", "QuantizedTensorStorage", "Float8Quantizer",
-                                     "Float8CurrentScalingQuantizer", "Float8TensorStorage", "HybridQuantizer",
+    **{name: _QUANTIZER for name in ("QuantizedTensorStorage", "Float8TensorStorage", "HybridQuantizer",
                                      "HybridQuantizedTensor", "HybridQuantizedTensorStorage", "IdentityQuantizer",
                                      "IdentityTensor", "IdentityTensorStorage", "QuantizerRole", "QuantizerRequest",
                                      "DelayedScalingRequest", "quantizer_factory", "apply_recipe",

@@ -57,7 +57,11 @@ def _fill_transpose(dst: torch.Tensor, data: torch.Tensor, noop_flag: Optional[t
     dst_u8.copy_(torch.where(noop_flag.reshape(()).bool(), dst_u8, src_u8))
 
 
-class Float8Tensor(torch.Tensor):
+class QuantizedTensor(torch.Tensor):
+    """The base of this package's quantized tensors (TransformerEngine's `QuantizedTensor`): `Float8Tensor`."""
+
+
+class Float8Tensor(QuantizedTensor):
     """An FP8 tensor that stands for a high-precision tensor of dtype `dtype`.
 
     `Float8Tensor(data, scale_inv, dtype)`, or with TransformerEngine's keywords: `Float8Tensor(shape=...,
@@ -216,13 +220,40 @@ class Float8Tensor(torch.Tensor):
         self._data, self._scale_inv = value._data, value._scale_inv
         self._transpose_cache = _TransposeCache()
 
-    def quantize_(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> "Float8Tensor":
-        """Quantize `x` into this tensor in place (same addresses). `scale` defaults to `1 / scale_inv`."""
+    def quantize_(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
+                  noop_flag: Optional[torch.Tensor] = None) -> "Float8Tensor":
+        """Quantize `x` into this tensor in place (same addresses), as TransformerEngine's `quantize_`: with the
+        tensor's quantizer when it has one (its scale rule, amax record and usages) and no `scale` is given,
+        else with `scale` (default `1 / scale_inv`). Where the device flag `noop_flag` is non-zero nothing is
+        written."""
+        if scale is None and self._quantizer is not None:
+            return self._quantizer.update_quantized(x, self, noop_flag=noop_flag)
         if scale is None:
             scale = self._scale_inv.reciprocal()
+        if noop_flag is not None:  # decided on the device: the old bytes and scale kept where the flag is set
+            keep = noop_flag.reshape(()).bool()
+            new = cast_to_fp8(x.detach().reshape(self.shape), scale, self._data.dtype)
+            self._write_data(torch.where(keep, self._data.view(torch.uint8), new.view(torch.uint8)).view(new.dtype))
+            new_sinv = scale.float().reciprocal().reshape(self._scale_inv.shape)
+            self._scale_inv.copy_(torch.where(keep, self._scale_inv, new_sinv))
+            return self
         self._write_data(cast_to_fp8(x, scale, self._data.dtype))
         self._scale_inv.copy_(scale.reciprocal().reshape(self._scale_inv.shape))
         return self
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """TransformerEngine's usage switch: `columnwise_usage=True` makes the transpose current now, False
+        frees its buffer. The row-wise data is always kept (`rowwise_usage=False` frees nothing)."""
+        del rowwise_usage
+        if columnwise_usage is True:
+            self.transpose_2d()
+        elif columnwise_usage is False:
+            self._transpose_cache.buffer = None
+            self._transpose_cache.version = None
+
+    def get_usages(self) -> dict:
+        """`{"rowwise": True, "columnwise": whether a current transpose is held}`."""
+        return {"rowwise": True, "columnwise": self.has_current_transpose()}
 
     def __repr__(self) -> str:  # no dispatch: printing must not need any op support
         return (

@@ -485,9 +485,11 @@ def test_tp_size_without_group_asks_for_it():
 def test_tensor_parallel_modules_tp2():
     """Column / row Linear, column LayerNormLinear, LayerNormMLP(set_parallel_mode) at TP2, with and without
     sequence parallelism, tp_group given or set later, delayed and current scaling: against float64 and the
-    TP1 module; `autocast(amax_reduction_group=...)` reduces over exactly that group (2 gloo ranks)."""
+    TP1 module; `autocast(amax_reduction_group=...)` and `Float8CurrentScalingQuantizer(with_amax_reduction=True)`
+    reduce over exactly that group (2 gloo ranks)."""
     launch("te_tp_checks.py", 2, timeout=600,
-           expect_checks=["tp_parameter_attributes", "autocast_amax_reduction_group", "modules_tp2"])
+           expect_checks=["tp_parameter_attributes", "autocast_amax_reduction_group",
+                          "current_scaling_quantizer_amax_reduction", "modules_tp2"])
 
 
 # ---- make_graphed_callables: 2.x names -------------------------------------------------------------------------

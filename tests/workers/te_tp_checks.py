@@ -259,6 +259,25 @@ def check_autocast_amax_reduction_group():
     assert not torch.equal(scales["alone"][0][0], scales["alone"][1][0]), scales["alone"]
 
 
+
+def check_current_scaling_quantizer_amax_reduction():
+    """`Float8CurrentScalingQuantizer(with_amax_reduction=True, amax_reduction_group=g)`: every rank of `g`
+    casts with the scale of the group's largest amax (each rank its own data, rank 1's four times larger);
+    without reduction each rank scales from its own amax."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(test_seed() + rank)
+    x = torch.randn(16, 32, generator=gen) * (1 + 3 * rank)
+    amaxes = _gather(x.abs().max().reshape(1, 1), 0).flatten()
+    reduced = te.Float8CurrentScalingQuantizer(torch.float8_e4m3fn, with_amax_reduction=True,
+                                              amax_reduction_group=dist.group.WORLD)(x)
+    local = te.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(x)
+    want_reduced = torch.tensor(448.0 / float(amaxes.max().double()), dtype=torch.float64).float()
+    want_local = torch.tensor(448.0 / float(x.abs().max().double()), dtype=torch.float64).float()
+    assert torch.equal(reduced._scale_inv.reshape(()), want_reduced.reciprocal()), (rank, reduced._scale_inv)
+    assert torch.equal(local._scale_inv.reshape(()), want_local.reciprocal()), (rank, local._scale_inv)
+    sinvs = _gather(reduced._scale_inv.reshape(1, 1), 0).flatten()
+    assert torch.equal(sinvs[0], sinvs[1]) and not torch.equal(amaxes[0], amaxes[1]), (sinvs, amaxes)
+
 # ---- MultiheadAttention / TransformerLayer at TP2 (`te_tp_checks.py layers`, tests/test_te_tp_layers.py) ----
 # Each TP2 module (set_parallel_mode=True) gets the shards of a TP1 module's float32 parameters; both run on the
 # same data. High precision: output, input gradient and every parameter gradient (this rank's shard of the TP1
@@ -458,6 +477,7 @@ if __name__ == "__main__":
         run_checks([
             ("tp_parameter_attributes", check_tp_parameter_attributes),
             ("autocast_amax_reduction_group", check_autocast_amax_reduction_group),
+            ("current_scaling_quantizer_amax_reduction", check_current_scaling_quantizer_amax_reduction),
             ("modules_tp2", check_modules_tp2),
         ])
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Checkpoints through the training job itself (launch/pretrain_gpt.py under torchrun, CPU/gloo): exact resume
-after --exit-interval (TP2 with sequence parallelism, PP2 x DP2, the MoE default layout TP2 x PP2 x EP2), a rank
+from a --save-interval checkpoint and after --exit-interval (TP2 with sequence parallelism, PP2 x DP2, the MoE
+default layout TP2 x PP2 x EP2), a rank
 SIGKILLed under `torchrun --max-restarts=1`, and checkpoint errors that end the job with one line."""
 from __future__ import annotations
 
@@ -159,32 +160,48 @@ def _same_checkpoint(want_dir: Path, got_dir: Path) -> int:
 ITERS, HALF = 6, 3  # the exact-resume runs: ITERS uninterrupted; HALF, exit, resume to ITERS
 
 
+EXIT_INTERVAL_LAYOUT = "tp2_sp"  # the layout whose interrupted run stops by --exit-interval (the others resume
+                                 # from the uninterrupted run's --save-interval checkpoint: one launch fewer)
+
+
 @HEAVY
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_job_exact_resume_bitwise(tmp_path, layout):
-    """Train 6; separately train 3, save and exit (--exit-interval 3), then --load to 6: the losses after the
-    resume and every tensor of the final checkpoint (parameters, FP8 state, optimizer, RNG) equal the
-    uninterrupted run bitwise. (3 + 3 iterations: the resume comes after the 2 warmup iterations, and each
-    launch costs seconds per iteration on 2 cores; it was 5 + 5.)"""
+    """Train 6 iterations, saving at 3 (`--save-interval 3`); resume from the iteration-3 checkpoint (--load)
+    to 6: the losses after the resume and every tensor of the final checkpoint (parameters, FP8 state,
+    optimizer, RNG) equal the uninterrupted run bitwise. In the TP2 layout the interrupted run is a separate
+    launch that stops itself by `--exit-interval 3` and saves there. (3 + 3 iterations: the resume comes after
+    the 2 warmup iterations, and each launch costs seconds per iteration on 2 cores.)"""
     nproc, flags = LAYOUTS[layout]
     flags = _moe_default() if flags is None else flags
     seed = _seed() % 100_000 + 1
     print(f"layout {layout}, job seed {seed}")
     flags = flags + ["--seed", str(seed), "--train-iters", str(ITERS)]
     a, b = tmp_path / "a", tmp_path / "b"
-    _job(tmp_path, nproc, flags + ["--save", str(a), "--log-json", str(tmp_path / "a.jsonl")], "uninterrupted run")
-    out = _job(tmp_path, nproc, flags + ["--exit-interval", str(HALF), "--save", str(b), "--log-json",
-                                         str(tmp_path / "b1.jsonl")], "run to the exit interval")
-    assert f"exit interval: stopping after iteration {HALF}" in out, out[-5000:]
     half = cf.checkpoint_name(HALF)
-    assert cf.read_latest(b) == half and sorted(p.name for p in b.iterdir()) == [half, "latest", "logs"]
+    _job(tmp_path, nproc, flags + ["--save", str(a), "--save-interval", str(HALF), "--log-json",
+                                   str(tmp_path / "a.jsonl")], "uninterrupted run")
+    assert cf.read_latest(a) == cf.checkpoint_name(ITERS) and (a / half / cf.MANIFEST).is_file()
+    if layout == EXIT_INTERVAL_LAYOUT:
+        out = _job(tmp_path, nproc, flags + ["--exit-interval", str(HALF), "--save", str(b), "--log-json",
+                                             str(tmp_path / "b1.jsonl")], "run to the exit interval")
+        assert f"exit interval: stopping after iteration {HALF}" in out, out[-5000:]
+        assert cf.read_latest(b) == half and sorted(p.name for p in b.iterdir()) == [half, "latest", "logs"]
+        first = _losses(tmp_path / "b1.jsonl")
+    else:  # the uninterrupted run's iteration-3 checkpoint, alone in a directory of its own
+        b.mkdir()
+        shutil.copytree(a / half, b / half)
+        cf.write_atomic(b / cf.LATEST, half + "\n")
+        first = None
     out = _job(tmp_path, nproc, flags + ["--load", str(b), "--save", str(b), "--log-json", str(tmp_path / "b2.jsonl")],
                "resumed run")
     assert "resumed from" in out and f"at iteration {HALF} (sample" in out, out[-5000:]
-    ref, first, resumed = (_losses(tmp_path / f) for f in ("a.jsonl", "b1.jsonl", "b2.jsonl"))
-    assert sorted(ref) == list(range(1, ITERS + 1)) and sorted(first) == list(range(1, HALF + 1)), (ref, first)
+    ref, resumed = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b2.jsonl")
+    assert sorted(ref) == list(range(1, ITERS + 1)), ref
+    if first is not None:
+        assert sorted(first) == list(range(1, HALF + 1)), first
+        assert [first[i] for i in range(1, HALF + 1)] == [ref[i] for i in range(1, HALF + 1)], (first, ref)
     assert sorted(resumed) == list(range(HALF + 1, ITERS + 1)), resumed
-    assert [first[i] for i in range(1, HALF + 1)] == [ref[i] for i in range(1, HALF + 1)], (first, ref)
     assert [resumed[i] for i in range(HALF + 1, ITERS + 1)] == [ref[i] for i in range(HALF + 1, ITERS + 1)], (
         resumed, ref)
     assert ref[ITERS] < ref[1], f"the loss did not fall: {ref}"

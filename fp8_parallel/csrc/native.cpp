@@ -12,6 +12,19 @@
 #include "cuda_ops.h"
 #endif
 
+#include <csignal>
+#include <cstdlib>
+#include <execinfo.h>
+#include <unistd.h>
+
+// Argument checks throw std::runtime_error (a Python RuntimeError through pybind11's own translation), never
+// c10::Error: constructing a c10::Error captures a C++ backtrace, and throwing one from this module segfaulted on
+// some machines (the CPU build on the GPU machines). Every argument is checked with this before any access.
+#define FP8P_CHECK(cond, ...)                                     \
+  do {                                                            \
+    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__)); \
+  } while (false)
+
 namespace fp8p {
 namespace {
 
@@ -27,7 +40,7 @@ at::ScalarType dtype_of(int64_t code) {
     case 0: return at::kBFloat16;
     case 1: return at::kHalf;
     case 2: return at::kFloat;
-    default: TORCH_CHECK(false, "fp8_parallel native: unknown dtype code ", code);
+    default: FP8P_CHECK(false, "fp8_parallel native: unknown dtype code ", code);
   }
 }
 
@@ -44,59 +57,52 @@ bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloa
 bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 void check_device(const Tensor& t, const at::Device& device, const char* what) {
-  TORCH_CHECK(t.device() == device, "fp8_parallel native: ", what, " is on ", t.device(), ", the call's tensors on ",
+  FP8P_CHECK(t.device() == device, "fp8_parallel native: ", what, " is on ", t.device(), ", the call's tensors on ",
               device);
 }
 
 // a float32 / float16 / bfloat16 tensor with a feature (last) dimension, on `device`
 void check_input(const Tensor& t, const at::Device& device, const char* what) {
-  TORCH_CHECK(t.dim() >= 1, "fp8_parallel native: ", what, " must have a feature dimension, got sizes ", t.sizes());
-  TORCH_CHECK(is_float(t.scalar_type()), "fp8_parallel native: ", what,
+  FP8P_CHECK(t.dim() >= 1, "fp8_parallel native: ", what, " must have a feature dimension, got sizes ", t.sizes());
+  FP8P_CHECK(is_float(t.scalar_type()), "fp8_parallel native: ", what,
               " must be float32, float16 or bfloat16, got ", t.scalar_type());
   check_device(t, device, what);
 }
 
 // a contiguous float32 buffer on `device` with an element at `index`
 void check_slot(const Tensor& buf, int64_t index, const at::Device& device, const char* what) {
-  TORCH_CHECK(buf.scalar_type() == at::kFloat, "fp8_parallel native: ", what, " must be float32, got ",
+  FP8P_CHECK(buf.scalar_type() == at::kFloat, "fp8_parallel native: ", what, " must be float32, got ",
               buf.scalar_type());
-  TORCH_CHECK(buf.is_contiguous(), "fp8_parallel native: ", what, " must be contiguous, got sizes ", buf.sizes(),
+  FP8P_CHECK(buf.is_contiguous(), "fp8_parallel native: ", what, " must be contiguous, got sizes ", buf.sizes(),
               " strides ", buf.strides());
-  TORCH_CHECK(index >= 0 && index < buf.numel(), "fp8_parallel native: ", what, " index ", index,
+  FP8P_CHECK(index >= 0 && index < buf.numel(), "fp8_parallel native: ", what, " index ", index,
               " outside a buffer of ", buf.numel(), " elements");
   check_device(buf, device, what);
 }
 
 // one float32 value on `device` (a scale_inv)
 void check_scalar(const Tensor& t, const at::Device& device, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "fp8_parallel native: ", what,
+  FP8P_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "fp8_parallel native: ", what,
               " must be one float32, got ", t.scalar_type(), " ", t.sizes());
   check_device(t, device, what);
 }
 
 // a contiguous 2-d FP8 tensor (on `device`, when given)
 void check_fp8(const Tensor& t, const char* what, const at::Device* device = nullptr) {
-  TORCH_CHECK(is_fp8(t.scalar_type()), "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "fp8_parallel native: ", what,
+  FP8P_CHECK(is_fp8(t.scalar_type()), "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
+  FP8P_CHECK(t.dim() == 2 && t.is_contiguous(), "fp8_parallel native: ", what,
               " must be a contiguous 2-d tensor, got sizes ", t.sizes(), " strides ", t.strides());
   if (device != nullptr) check_device(t, *device, what);
 }
 
-// an FP8 tensor of `rows` x `cols` (contiguous, 2-d, on `device`)
-void check_fp8_matrix(const Tensor& t, int64_t rows, int64_t cols, const at::Device& device, const char* what) {
-  check_fp8(t, what, &device);
-  TORCH_CHECK(t.size(0) == rows && t.size(1) == cols, "fp8_parallel native: ", what, " has sizes ", t.sizes(),
-              ", expected [", rows, ", ", cols, "]");
-}
-
 // a dtype code of native.DTYPE_CODES
 void check_code(int64_t code, const char* what) {
-  TORCH_CHECK(code >= 0 && code <= 2, "fp8_parallel native: ", what, " has unknown dtype code ", code);
+  FP8P_CHECK(code >= 0 && code <= 2, "fp8_parallel native: ", what, " has unknown dtype code ", code);
 }
 
 // a tensor megatron's fused accumulation adds a [rows, cols] weight gradient into
 void check_main_grad(const Tensor& t, int64_t rows, int64_t cols, const at::Device& device, const char* what) {
-  TORCH_CHECK(is_float(t.scalar_type()) && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
+  FP8P_CHECK(is_float(t.scalar_type()) && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
               "fp8_parallel native: ", what, " must be a float32 / bfloat16 / float16 [", rows, ", ", cols,
               "] tensor, got ", t.scalar_type(), " ", t.sizes());
   check_device(t, device, what);
@@ -220,20 +226,20 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
   const at::Device device = x.device();
   check_input(x, device, "input");
   const Tensor x2 = rows_2d(x.detach());
-  TORCH_CHECK(data || t, "fp8_parallel native cast: neither data nor transpose given");
+  FP8P_CHECK(data || t, "fp8_parallel native cast: neither data nor transpose given");
   if (data) {
-    TORCH_CHECK(is_fp8(data->scalar_type()), "fp8_parallel native: data must be FP8, got ", data->scalar_type());
-    TORCH_CHECK(data->numel() == x2.numel(), "fp8_parallel native cast: data has ", data->numel(),
+    FP8P_CHECK(is_fp8(data->scalar_type()), "fp8_parallel native: data must be FP8, got ", data->scalar_type());
+    FP8P_CHECK(data->numel() == x2.numel(), "fp8_parallel native cast: data has ", data->numel(),
                 " elements, the input ", x2.numel());
-    TORCH_CHECK(data->is_contiguous(), "fp8_parallel native cast: data must be contiguous, got sizes ",
+    FP8P_CHECK(data->is_contiguous(), "fp8_parallel native cast: data must be contiguous, got sizes ",
                 data->sizes(), " strides ", data->strides());
     check_device(*data, device, "data");
   }
   if (t) {
     check_fp8(*t, "transpose", &device);
-    TORCH_CHECK(t->size(0) == x2.size(1) && t->size(1) == x2.size(0), "fp8_parallel native cast: transpose has sizes ",
+    FP8P_CHECK(t->size(0) == x2.size(1) && t->size(1) == x2.size(0), "fp8_parallel native cast: transpose has sizes ",
                 t->sizes(), ", the input ", x2.sizes());
-    TORCH_CHECK(!data || data->scalar_type() == t->scalar_type(), "fp8_parallel native cast: data is ",
+    FP8P_CHECK(!data || data->scalar_type() == t->scalar_type(), "fp8_parallel native cast: data is ",
                 data->scalar_type(), ", transpose ", t->scalar_type());
   }
   const bool e5m2 = (data ? *data : *t).scalar_type() == at::kFloat8_e5m2;
@@ -241,7 +247,7 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
   check_slot(scale_buf, scale_index, device, "scale");
   if (amax_buf) check_slot(*amax_buf, amax_index, device, "amax slot");
   if (noop) {
-    TORCH_CHECK(noop->numel() == 1, "fp8_parallel native cast: noop flag must be one element, got sizes ",
+    FP8P_CHECK(noop->numel() == 1, "fp8_parallel native cast: noop flag must be one element, got sizes ",
                 noop->sizes());
     check_device(*noop, device, "noop flag");
   }
@@ -260,7 +266,7 @@ std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const O
                                const OptTensor& w_sinv, const OptTensor& w_hp, const OptTensor& bias) {
   const at::Device device = x.device();
   check_input(x, device, "input");
-  TORCH_CHECK(w_hp ? !w_data && !w_sinv : w_data && w_sinv,
+  FP8P_CHECK(w_hp ? !w_data && !w_sinv : w_data && w_sinv,
               "fp8_parallel native linear: give the FP8 weight and its scale_inv, or the weight to cast");
   const Tensor x2 = rows_2d(x);
   const int64_t K = x2.size(1);
@@ -277,17 +283,17 @@ std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const O
     check_input(*w_hp, device, "weight");
     w2 = rows_2d(w_hp->detach());
     N = w2.size(0);
-    TORCH_CHECK(w2.size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ", w_hp->sizes());
+    FP8P_CHECK(w2.size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ", w_hp->sizes());
   } else {
     check_fp8(*w_data, "weight", &device);
     check_scalar(*w_sinv, device, "weight scale_inv");
     N = w_data->size(0);
-    TORCH_CHECK(w_data->size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ",
+    FP8P_CHECK(w_data->size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ",
                 w_data->sizes());
   }
   if (bias) {
     check_input(*bias, device, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "fp8_parallel native linear: bias has sizes ", bias->sizes(),
+    FP8P_CHECK(bias->dim() == 1 && bias->size(0) == N, "fp8_parallel native linear: bias has sizes ", bias->sizes(),
                 ", the weight ", N, " outputs");
   }
   const auto opts = x2.options();
@@ -339,42 +345,42 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
   check_code(w_dtype, "the weight's dtype");
   int64_t K = -1;  // the input's features, from the dgrad's or the wgrad's operand
   if (need_dgrad) {
-    TORCH_CHECK((w_t || w_ref) && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
+    FP8P_CHECK((w_t || w_ref) && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
     check_scalar(*w_sinv, device, "weight scale_inv");
     if (w_t) {
       check_fp8(*w_t, "weight transpose", &device);
-      TORCH_CHECK(w_t->size(1) == N, "fp8_parallel native linear: weight transpose has sizes ", w_t->sizes(),
+      FP8P_CHECK(w_t->size(1) == N, "fp8_parallel native linear: weight transpose has sizes ", w_t->sizes(),
                   ", the gradient ", N, " features");
       K = w_t->size(0);
     } else {
       check_input(*w_ref, device, "weight");
-      TORCH_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
+      FP8P_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
       check_slot(*saved_scales, 1, device, "saved scales");
       const Tensor w2 = rows_2d(w_ref->detach());
-      TORCH_CHECK(w2.size(0) == N, "fp8_parallel native linear: weight has sizes ", w_ref->sizes(), ", the gradient ",
+      FP8P_CHECK(w2.size(0) == N, "fp8_parallel native linear: weight has sizes ", w_ref->sizes(), ", the gradient ",
                   N, " features");
       K = w2.size(1);
     }
   }
   if (need_wgrad) {
-    TORCH_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
+    FP8P_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
     check_scalar(*x_sinv, device, "input scale_inv");
     int64_t k = -1;
     if (x_t) {
       check_fp8(*x_t, "input transpose", &device);
-      TORCH_CHECK(x_t->size(1) == M, "fp8_parallel native linear: input transpose has sizes ", x_t->sizes(),
+      FP8P_CHECK(x_t->size(1) == M, "fp8_parallel native linear: input transpose has sizes ", x_t->sizes(),
                   ", the gradient ", M, " rows");
       k = x_t->size(0);
     } else {
       check_input(*x_ref, device, "input");
-      TORCH_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
+      FP8P_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
       check_slot(*saved_scales, 0, device, "saved scales");
       const Tensor r2 = rows_2d(x_ref->detach());
-      TORCH_CHECK(r2.size(0) == M, "fp8_parallel native linear: input has sizes ", x_ref->sizes(), ", the gradient ",
+      FP8P_CHECK(r2.size(0) == M, "fp8_parallel native linear: input has sizes ", x_ref->sizes(), ", the gradient ",
                   M, " rows");
       k = r2.size(1);
     }
-    TORCH_CHECK(K < 0 || k == K, "fp8_parallel native linear: the weight has ", K, " input features, the input ", k);
+    FP8P_CHECK(K < 0 || k == K, "fp8_parallel native linear: the weight has ", K, " input features, the input ", k);
     if (main_grad) {
       check_main_grad(*main_grad, N, k, device, "main_grad");
     }
@@ -439,17 +445,17 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
   const int64_t experts = static_cast<int64_t>(splits.size());
   const at::Device device = g_sinv.device();
   // the checks, before anything is read or written
-  TORCH_CHECK(n > 0 && k > 0, "fp8_parallel native experts: ", n, " outputs and ", k, " inputs per expert");
-  TORCH_CHECK(g_sinv.scalar_type() == at::kFloat && g_sinv.dim() == 1 && g_sinv.size(0) == experts,
+  FP8P_CHECK(n > 0 && k > 0, "fp8_parallel native experts: ", n, " outputs and ", k, " inputs per expert");
+  FP8P_CHECK(g_sinv.scalar_type() == at::kFloat && g_sinv.dim() == 1 && g_sinv.size(0) == experts,
               "fp8_parallel native experts: ", experts, " experts, ", g_sinv.sizes(), " grad_output scale_invs (",
               g_sinv.scalar_type(), ")");
   const bool dgrad = g_rows.has_value(), wgrad = g_t && x_t;
   std::vector<int64_t> starts(experts);
   if (dgrad) {
     check_fp8(*g_rows, "grad_output cast", &device);
-    TORCH_CHECK(g_rows->size(1) == n, "fp8_parallel native experts: the grad_output cast has sizes ", g_rows->sizes(),
+    FP8P_CHECK(g_rows->size(1) == n, "fp8_parallel native experts: the grad_output cast has sizes ", g_rows->sizes(),
                 ", the experts ", n, " outputs");
-    TORCH_CHECK(static_cast<int64_t>(w_t.size()) == experts && static_cast<int64_t>(w_sinv.size()) == experts,
+    FP8P_CHECK(static_cast<int64_t>(w_t.size()) == experts && static_cast<int64_t>(w_sinv.size()) == experts,
                 "fp8_parallel native experts: ", w_t.size(), " weight transposes and ", w_sinv.size(),
                 " scale_invs for ", experts, " experts");
     check_code(x_dtype, "the input's dtype");
@@ -457,28 +463,28 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
     int64_t rows = 0;
     for (int64_t e = 0; e < experts; ++e) {
       // (each one at most the rows of the cast: no overflow in the sum)
-      TORCH_CHECK(splits[e] >= 0 && splits[e] <= total, "fp8_parallel native experts: split ", e, " is ", splits[e],
+      FP8P_CHECK(splits[e] >= 0 && splits[e] <= total, "fp8_parallel native experts: split ", e, " is ", splits[e],
                   ", the cast has ", total, " rows");
       starts[e] = rows;
       rows += splits[e];
     }
-    TORCH_CHECK(rows == total, "fp8_parallel native experts: splits sum to ", rows, ", the cast has ", total, " rows");
+    FP8P_CHECK(rows == total, "fp8_parallel native experts: splits sum to ", rows, ", the cast has ", total, " rows");
     for (int64_t e = 0; e < experts; ++e) {
-      TORCH_CHECK(is_fp8(w_t[e].scalar_type()) && w_t[e].dim() == 2 && w_t[e].is_contiguous(),
+      FP8P_CHECK(is_fp8(w_t[e].scalar_type()) && w_t[e].dim() == 2 && w_t[e].is_contiguous(),
                   "fp8_parallel native experts: weight transpose ", e, " must be a contiguous 2-d FP8 tensor, got ",
                   w_t[e].scalar_type(), " sizes ", w_t[e].sizes(), " strides ", w_t[e].strides());
-      TORCH_CHECK(w_t[e].size(0) == k && w_t[e].size(1) == n, "fp8_parallel native experts: weight transpose ", e,
+      FP8P_CHECK(w_t[e].size(0) == k && w_t[e].size(1) == n, "fp8_parallel native experts: weight transpose ", e,
                   " has sizes ", w_t[e].sizes(), ", expected [", k, ", ", n, "]");
       check_device(w_t[e], device, "a weight transpose");
       check_scalar(w_sinv[e], device, "a weight scale_inv");
     }
   }
   if (wgrad) {
-    TORCH_CHECK(x_sinv && x_sinv->scalar_type() == at::kFloat && x_sinv->dim() == 1 && x_sinv->size(0) == experts,
+    FP8P_CHECK(x_sinv && x_sinv->scalar_type() == at::kFloat && x_sinv->dim() == 1 && x_sinv->size(0) == experts,
                 "fp8_parallel native experts: the inputs' scale_invs must be one float32 per expert, got ",
                 x_sinv ? x_sinv->sizes() : at::IntArrayRef{}, " for ", experts, " experts");
     check_device(*x_sinv, device, "the inputs' scale_invs");
-    TORCH_CHECK(static_cast<int64_t>(padded_starts.size()) == experts &&
+    FP8P_CHECK(static_cast<int64_t>(padded_starts.size()) == experts &&
                     static_cast<int64_t>(padded_rows.size()) == experts &&
                     static_cast<int64_t>(need_w.size()) == experts &&
                     static_cast<int64_t>(w_dtypes.size()) == experts &&
@@ -488,7 +494,7 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
                 w_dtypes.size(), ", ", main_grads.size(), " for ", experts, " experts");
     for (const auto* buf : {&*g_t, &*x_t}) {
       const char* what = buf == &*g_t ? "grad_output transposes" : "input transposes";
-      TORCH_CHECK(is_fp8(buf->scalar_type()) && buf->is_contiguous(), "fp8_parallel native experts: the ", what,
+      FP8P_CHECK(is_fp8(buf->scalar_type()) && buf->is_contiguous(), "fp8_parallel native experts: the ", what,
                   " must be a contiguous FP8 buffer, got ", buf->scalar_type(), " sizes ", buf->sizes(), " strides ",
                   buf->strides());
       check_device(*buf, device, what);
@@ -499,13 +505,13 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
       const int64_t ps = padded_starts[e], pm = padded_rows[e];
       // [ps, ps + pm) of the padded rows, in both buffers (compared by division: no overflow)
       const int64_t g_rows_have = g_t->numel() / n, x_rows_have = x_t->numel() / k;
-      TORCH_CHECK(ps >= 0 && pm >= 0 && pm <= g_rows_have && ps <= g_rows_have - pm && pm <= x_rows_have &&
+      FP8P_CHECK(ps >= 0 && pm >= 0 && pm <= g_rows_have && ps <= g_rows_have - pm && pm <= x_rows_have &&
                       ps <= x_rows_have - pm,
                   "fp8_parallel native experts: expert ", e, "'s padded rows [", ps, ", ", ps, " + ", pm,
                   ") outside the transposes' ", g_rows_have, " (grad_output) and ", x_rows_have, " (input) rows");
       if (main_grads[e]) {
         const Tensor& acc = *main_grads[e];
-        TORCH_CHECK(is_float(acc.scalar_type()) && acc.dim() == 2 && acc.size(0) == n && acc.size(1) == k &&
+        FP8P_CHECK(is_float(acc.scalar_type()) && acc.dim() == 2 && acc.size(0) == n && acc.size(1) == k &&
                         acc.device() == device,
                     "fp8_parallel native experts: main_grad ", e, " has sizes ", acc.sizes(), " (", acc.scalar_type(),
                     ") on ", acc.device(), ", expected float32 / bfloat16 / float16 [", n, ", ", k, "] on ", device);
@@ -565,9 +571,29 @@ auto plain_errors(R (*fn)(Args...)) {
   };
 }
 
+
+// FP8P_NATIVE_SEGV_TRACE=1: a crash (SIGSEGV, SIGBUS, SIGABRT) prints the C++ frames to stderr before the
+// process dies as it would have (a debugging aid for crashes that a debugger cannot reach).
+void print_native_frames(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char head[] = "fp8_parallel native: fatal signal; C++ frames:\n";
+  (void)!write(2, head, sizeof(head) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void install_crash_trace() {
+  const char* on = std::getenv("FP8P_NATIVE_SEGV_TRACE");
+  if (on == nullptr || on[0] != '1') return;
+  for (int sig : {SIGSEGV, SIGBUS, SIGABRT}) std::signal(sig, print_native_frames);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  install_crash_trace();
   m.doc() = "fp8_parallel's compiled host path: FP8 cast and FP8 linear forward / backward";
   m.def("cast_into", plain_errors(&fp8p::cast_into), "fused FP8 cast into given outputs");
   m.def("linear_fwd", plain_errors(&fp8p::linear_fwd), "one FP8 linear's forward");

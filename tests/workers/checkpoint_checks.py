@@ -4,8 +4,8 @@ Usage (under torchrun): checkpoint_checks.py SUITE DIR
   dense   TP2 x PP2, FP8: exact resume; reshard to TP1 x PP2 and TP2 x PP1; FP8 <-> no-FP8 / local spec
           interchange; bad checkpoints (corrupt, truncated, unsafe pickle, another model shape)
   moe     TP2 x PP2 x EP2 MoE (sequence parallel), FP8: exact resume; reshard EP2 -> EP1 and EP1 -> EP2
-  save    (kill test, first launch) save iteration 1, then start saving iteration 2 (the test kills it)
-  verify  (kill test, second launch) the kill left iteration 1 loadable; a new save of 2 completes
+  save    (kill test, first launch; 2 ranks, TP2) save iteration 1, then start saving iteration 2 (the test kills it)
+  verify  (kill test, second launch; 2 ranks, TP2) the kill left iteration 1 loadable; a new save of 2 completes
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 N, K = 4, 2  # uninterrupted iterations; the save point of the interrupted run
+KILL_TP = 2  # the kill test's layout (TP2 on 2 ranks: every rank writes shards of its own)
 # FP8 tolerances for losses after a layout change: the first resumed forward runs the loaded weights (only
 # reduction orders differ); later ones follow an Adam step on FP8 gradients summed in another order
 FIRST_RTOL, LATER_RTOL = 2e-3, 2e-2
@@ -345,7 +346,7 @@ def save_then_hang(root: Path) -> None:
     from checkpoint_harness import Opts, Run
     from launch.checkpointing import PAUSE_ENV, TrainState, save_checkpoint
 
-    opts = Opts(tp=2, pp=2, dropout=0.0)
+    opts = Opts(tp=KILL_TP, dropout=0.0)
     run = Run(opts)
     run.train(0, 1)
     pause = os.environ.pop(PAUSE_ENV)
@@ -366,7 +367,7 @@ def verify_after_kill(roots: str) -> None:
     from launch.checkpointing import TrainState, load_checkpoint, save_checkpoint
     from rank_checks import run_checks
 
-    opts = Opts(tp=2, pp=2, dropout=0.0)
+    opts = Opts(tp=KILL_TP, dropout=0.0)
 
     def previous_loads(root: Path):
         run = Run(opts)
@@ -391,6 +392,8 @@ def main() -> None:
     suite, root = sys.argv[1], sys.argv[2]
     if suite == "moe":
         ps.initialize(tp=2, pp=2, ep=2, etp=1)
+    elif suite in ("save", "verify"):
+        ps.initialize(tp=KILL_TP)
     else:
         ps.initialize(tp=2, pp=2)
     if suite == "verify":

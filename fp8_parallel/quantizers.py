@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .quantize import quantize
 from .recipe import fp8_max
+from .scaling import current_scale_te
 from .te_dtype import DType, torch_dtype
 from .tensor import FP8_DTYPES, Float8Tensor, QuantizedTensor
 
@@ -90,7 +91,8 @@ class Quantizer(abc.ABC):
         if x.dtype in FP8_DTYPES or isinstance(x, Float8Tensor) or not x.is_floating_point():
             raise TypeError(f"{type(self).__name__}: quantizes a high-precision float tensor, got "
                             f"{type(x).__name__} of dtype {x.dtype}")
-        return quantize(x.detach(), self.scale_for(x.detach()), self.fp8_dtype, amax_out=self._amax_out(),
+        x = x.detach()
+        return quantize(x, self.scale_for(x), self.fp8_dtype, amax_out=self._amax_out(),
                         with_transpose=self.columnwise_usage and x.dim() > 0, out=out, noop_flag=noop_flag)
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -203,22 +205,6 @@ class Float8Quantizer(Quantizer):
                              f"makes {self.fp8_dtype}")
         return Float8Tensor(data, self.scale.reciprocal().reshape(()), fake_dtype, requires_grad=requires_grad,
                             quantizer=self)
-
-
-def current_scale_te(amax: torch.Tensor, fp8_max_value: float, epsilon: float, force_pow_2: bool,
-                     value_for_inf: float) -> torch.Tensor:
-    """TransformerEngine's current-scaling rule, elementwise in float32: `fp8_max / max(amax, epsilon)`, 1 for
-    a zero or non-finite amax, `value_for_inf` where the quotient overflows, rounded down to a power of 2
-    with `force_pow_2`. (For a finite amax >= epsilon > 0 it equals `scaling.current_scale` bit for bit: a
-    float64 quotient of float32 values rounds to the float32 quotient.)"""
-    amax = amax.float()
-    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
-    scale = torch.div(torch.full_like(amax, fp8_max_value), amax)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
-    scale = torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(scale), scale)
-    if force_pow_2:  # keep sign and exponent: the largest power of 2 not above the scale
-        scale = (scale.view(torch.int32) & -8388608).view(torch.float32)
-    return scale
 
 
 class Float8CurrentScalingQuantizer(Quantizer):

@@ -33,6 +33,22 @@ def current_scale(amax: torch.Tensor, fp8_max: float, eps: float) -> torch.Tenso
     return (fp8_max / torch.clamp(amax.to(torch.float64), min=eps)).float()
 
 
+def current_scale_te(amax: torch.Tensor, fp8_max_value: float, epsilon: float, force_pow_2: bool,
+                     value_for_inf: float) -> torch.Tensor:
+    """TransformerEngine's current-scaling rule, elementwise in float32: `fp8_max / max(amax, epsilon)`, 1 for
+    a zero or non-finite amax, `value_for_inf` where the quotient overflows, rounded down to a power of 2
+    with `force_pow_2`. (For a finite amax >= epsilon > 0 it equals `scaling.current_scale` bit for bit: a
+    float64 quotient of float32 values rounds to the float32 quotient.)"""
+    amax = amax.float()
+    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    scale = torch.div(torch.full_like(amax, fp8_max_value), amax)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
+    scale = torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(scale), scale)
+    if force_pow_2:  # keep sign and exponent: the largest power of 2 not above the scale
+        scale = (scale.view(torch.int32) & -8388608).view(torch.float32)
+    return scale
+
+
 def amax_from_history(history: torch.Tensor, algo: AmaxComputeAlgo) -> torch.Tensor:
     """Reduce a `[n, history_len]` history (newest in column 0) to `[n]` amaxes. A callable `algo` gets the
     history in TransformerEngine's layout, `[history_len, n]` with the newest amaxes in row 0, and returns `[n]`.

@@ -11,7 +11,7 @@ import torch
 import fp8_parallel as te
 from fp8_parallel import DType
 from fp8_parallel.cpp_extensions import general_gemm
-from fp8_parallel.quantizers import current_scale_te
+from fp8_parallel.scaling import current_scale_te
 from seeds import session_seed
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -246,3 +246,26 @@ def test_quantize_in_place_without_quantizer_honours_noop_flag():
     t.quantize_(y, torch.tensor([8.0]), noop_flag=torch.zeros(1))
     _assert_cast_close(t, y, 8.0)
     assert float(t._scale_inv) == 0.125
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantizers_on_cuda(dtype):
+    """Both quantizers on CUDA tensors (the fused cast kernels), every dtype: the same bytes, scale_inv and amax
+    as on the CPU, and the transpose filled."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = _gen(9)
+    x = (torch.randn(48, 80, generator=gen) * 5).to(dtype)
+    scale = torch.tensor([12.0])
+    for make in (lambda dev: te.Float8Quantizer(scale.to(dev), torch.zeros(1, device=dev), torch.float8_e4m3fn),
+                 lambda dev: te.Float8CurrentScalingQuantizer(torch.float8_e5m2, dev)):
+        cpu_q, gpu_q = make("cpu"), make("cuda")
+        want, got = cpu_q(x), gpu_q(x.cuda())
+        assert got.is_cuda and got.has_current_transpose()
+        assert torch.equal(got._data.cpu().view(torch.uint8), want._data.view(torch.uint8))
+        assert torch.equal(got._scale_inv.cpu(), want._scale_inv)
+        assert torch.equal(got.transpose_2d(update_cache=False)._data.cpu().view(torch.uint8),
+                           want._data.t().contiguous().view(torch.uint8))
+        if isinstance(cpu_q, te.Float8Quantizer):
+            assert torch.equal(gpu_q.amax.cpu(), cpu_q.amax)

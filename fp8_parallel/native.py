@@ -13,15 +13,56 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["module", "use", "for_device", "sources", "build_cpu", "sanitized"]
+__all__ = ["NativeOps", "module", "use", "for_device", "sources", "build_cpu", "sanitized"]
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # as csrc/native.cpp reads them
 
-_module: Optional[ModuleType] = None
+
+
+class NativeOps:
+    """The entry points of one build of `csrc/native.cpp`. The compiled functions report a rejected call (a wrong
+    size, dtype, device or layout, found before any tensor is touched) by returning its message instead of
+    throwing a C++ exception; these methods raise it as a RuntimeError."""
+
+    def __init__(self, ext: ModuleType) -> None:
+        self.extension = ext
+        self.with_cuda: bool = bool(ext.with_cuda)
+        self._cast_into, self._linear_fwd = ext.cast_into, ext.linear_fwd
+        self._linear_bwd, self._experts_bwd = ext.linear_bwd, ext.experts_bwd
+
+    def cast_into(self, *args) -> None:
+        """`quantize`'s fused cast into given outputs (see csrc/native.cpp for the arguments)."""
+        problem = self._cast_into(*args)
+        if problem:
+            raise RuntimeError(problem)
+
+    def linear_fwd(self, *args) -> List[Optional[torch.Tensor]]:
+        """One FP8 linear's forward (see csrc/native.cpp)."""
+        problem, out = self._linear_fwd(*args)
+        if problem:
+            raise RuntimeError(problem)
+        return out
+
+    def linear_bwd(self, *args) -> List[Optional[torch.Tensor]]:
+        """One FP8 linear's backward (see csrc/native.cpp)."""
+        problem, out = self._linear_bwd(*args)
+        if problem:
+            raise RuntimeError(problem)
+        return out
+
+    def experts_bwd(self, *args) -> List[Optional[torch.Tensor]]:
+        """The per-expert backward GEMMs of a grouped call (see csrc/native.cpp)."""
+        problem, out = self._experts_bwd(*args)
+        if problem:
+            raise RuntimeError(problem)
+        return out
+
+
+_module: Optional[NativeOps] = None
 _loaded = False
 
 
-def module() -> Optional[ModuleType]:
+def module() -> Optional[NativeOps]:
     """The compiled extension, or None (not built, or turned off by `FP8_PARALLEL_NATIVE=0`)."""
     global _module, _loaded
     if not _loaded:
@@ -31,11 +72,11 @@ def module() -> Optional[ModuleType]:
                 from . import _native  # type: ignore[attr-defined]
             except ImportError:
                 _native = None
-            _module = _native
+            _module = NativeOps(_native) if _native is not None else None
     return _module
 
 
-def use(ext: Optional[ModuleType]) -> Optional[ModuleType]:
+def use(ext: Optional[NativeOps]) -> Optional[NativeOps]:
     """Use `ext` (a build of `csrc/native.cpp`, e.g. a CPU build for tests) as the extension, or None for the
     pure-Python path; returns the previous one."""
     global _module, _loaded
@@ -44,7 +85,7 @@ def use(ext: Optional[ModuleType]) -> Optional[ModuleType]:
     return previous
 
 
-def for_device(device: torch.device) -> Optional[ModuleType]:
+def for_device(device: torch.device) -> Optional[NativeOps]:
     """The extension when it can run on `device` (a CUDA build runs everywhere; a CPU build on the CPU)."""
     ext = module()
     if ext is None:
@@ -68,7 +109,7 @@ def sanitized() -> bool:
     return os.environ.get("FP8P_NATIVE_SANITIZE", "0") == "1"
 
 
-def build_cpu(build_dir: str, verbose: bool = False) -> ModuleType:
+def build_cpu(build_dir: str, verbose: bool = False) -> NativeOps:
     """Build the CPU variant of the extension into `build_dir` with torch's JIT builder (a C++ compiler is
     needed) and return it, without making it the active one (see `use`). With `FP8P_NATIVE_SANITIZE=1` it is
     built with AddressSanitizer and UBSan, under another name in `build_dir/sanitize` (the ASan runtime must
@@ -82,10 +123,11 @@ def build_cpu(build_dir: str, verbose: bool = False) -> ModuleType:
         # the compiler runs without the preloaded sanitizer runtime (under it, cc1plus ran out of memory)
         preload = os.environ.pop("LD_PRELOAD", None)
         try:
-            return load(name="fp8_parallel_native_cpu_sanitize", sources=host, build_directory=directory,
-                        verbose=verbose, extra_cflags=["-O1", "-g", *_SANITIZE_FLAGS], extra_ldflags=_SANITIZE_FLAGS)
+            return NativeOps(load(name="fp8_parallel_native_cpu_sanitize", sources=host, build_directory=directory,
+                                  verbose=verbose, extra_cflags=["-O1", "-g", *_SANITIZE_FLAGS],
+                                  extra_ldflags=_SANITIZE_FLAGS))
         finally:
             if preload is not None:
                 os.environ["LD_PRELOAD"] = preload
-    return load(name="fp8_parallel_native_cpu", sources=host, build_directory=build_dir, verbose=verbose,
-                extra_cflags=["-O2"])
+    return NativeOps(load(name="fp8_parallel_native_cpu", sources=host, build_directory=build_dir, verbose=verbose,
+                          extra_cflags=["-O2"]))

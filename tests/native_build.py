@@ -10,14 +10,13 @@ import hashlib
 import os
 import sys
 import tempfile
-from types import ModuleType
 from typing import Optional
 
 import torch
 
 from fp8_parallel import native
 
-_built: Optional[ModuleType] = None
+_built: Optional[native.NativeOps] = None
 
 
 def _build_key() -> str:
@@ -36,7 +35,7 @@ def build_directory() -> str:
     return os.path.join(tempfile.gettempdir(), f"fp8p_native_{os.getuid()}_{_build_key()}")
 
 
-def cpu_extension() -> ModuleType:
+def cpu_extension() -> native.NativeOps:
     """The CPU build of `fp8_parallel/csrc`, built by the first process that asks and reused by the others."""
     global _built
     if _built is None:

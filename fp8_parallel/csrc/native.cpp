@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 #include <optional>
-#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -12,20 +12,26 @@
 #include "cuda_ops.h"
 #endif
 
-#include <csignal>
-#include <cstdlib>
-#include <execinfo.h>
-#include <unistd.h>
+// Rejecting a call throws nothing: every argument check returns the first failed check's message (a Problem,
+// empty when the arguments are good), the entry points return it to Python, and `native.py` raises it there as
+// a RuntimeError. (Throwing C++ exceptions out of this module's checks crashed the CPU build on the GPU machines,
+// on the unwinding path; no C++ exception is thrown to reject a call now.)
+#define FP8P_CHECK(cond, ...)                                        \
+  do {                                                               \
+    if (!(cond)) return ::fp8p::Problem(::c10::str(__VA_ARGS__));    \
+  } while (false)
 
-// Argument checks throw std::runtime_error (a Python RuntimeError through pybind11's own translation), never
-// c10::Error: constructing a c10::Error captures a C++ backtrace, and throwing one from this module segfaulted on
-// some machines (the CPU build on the GPU machines). Every argument is checked with this before any access.
-#define FP8P_CHECK(cond, ...)                                     \
-  do {                                                            \
-    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__)); \
+// returns the problem a check found, if any
+#define FP8P_TRY(check)                                \
+  do {                                                 \
+    ::fp8p::Problem problem_ = (check);                \
+    if (!problem_.empty()) return problem_;            \
   } while (false)
 
 namespace fp8p {
+
+using Problem = std::string;  // a rejected call's message; empty: the arguments are good
+
 namespace {
 
 using at::Tensor;
@@ -40,7 +46,7 @@ at::ScalarType dtype_of(int64_t code) {
     case 0: return at::kBFloat16;
     case 1: return at::kHalf;
     case 2: return at::kFloat;
-    default: FP8P_CHECK(false, "fp8_parallel native: unknown dtype code ", code);
+    default: return at::kFloat;  // not reached: the entry points check every code first (check_code)
   }
 }
 
@@ -56,56 +62,63 @@ Tensor rows_2d(const Tensor& x) {
 bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-void check_device(const Tensor& t, const at::Device& device, const char* what) {
+Problem check_device(const Tensor& t, const at::Device& device, const char* what) {
   FP8P_CHECK(t.device() == device, "fp8_parallel native: ", what, " is on ", t.device(), ", the call's tensors on ",
               device);
+  return {};
 }
 
 // a float32 / float16 / bfloat16 tensor with a feature (last) dimension, on `device`
-void check_input(const Tensor& t, const at::Device& device, const char* what) {
+Problem check_input(const Tensor& t, const at::Device& device, const char* what) {
   FP8P_CHECK(t.dim() >= 1, "fp8_parallel native: ", what, " must have a feature dimension, got sizes ", t.sizes());
   FP8P_CHECK(is_float(t.scalar_type()), "fp8_parallel native: ", what,
               " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  check_device(t, device, what);
+  FP8P_TRY(check_device(t, device, what));
+  return {};
 }
 
 // a contiguous float32 buffer on `device` with an element at `index`
-void check_slot(const Tensor& buf, int64_t index, const at::Device& device, const char* what) {
+Problem check_slot(const Tensor& buf, int64_t index, const at::Device& device, const char* what) {
   FP8P_CHECK(buf.scalar_type() == at::kFloat, "fp8_parallel native: ", what, " must be float32, got ",
               buf.scalar_type());
   FP8P_CHECK(buf.is_contiguous(), "fp8_parallel native: ", what, " must be contiguous, got sizes ", buf.sizes(),
               " strides ", buf.strides());
   FP8P_CHECK(index >= 0 && index < buf.numel(), "fp8_parallel native: ", what, " index ", index,
               " outside a buffer of ", buf.numel(), " elements");
-  check_device(buf, device, what);
+  FP8P_TRY(check_device(buf, device, what));
+  return {};
 }
 
 // one float32 value on `device` (a scale_inv)
-void check_scalar(const Tensor& t, const at::Device& device, const char* what) {
+Problem check_scalar(const Tensor& t, const at::Device& device, const char* what) {
   FP8P_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "fp8_parallel native: ", what,
               " must be one float32, got ", t.scalar_type(), " ", t.sizes());
-  check_device(t, device, what);
+  FP8P_TRY(check_device(t, device, what));
+  return {};
 }
 
 // a contiguous 2-d FP8 tensor (on `device`, when given)
-void check_fp8(const Tensor& t, const char* what, const at::Device* device = nullptr) {
+Problem check_fp8(const Tensor& t, const char* what, const at::Device* device = nullptr) {
   FP8P_CHECK(is_fp8(t.scalar_type()), "fp8_parallel native: ", what, " must be FP8, got ", t.scalar_type());
   FP8P_CHECK(t.dim() == 2 && t.is_contiguous(), "fp8_parallel native: ", what,
               " must be a contiguous 2-d tensor, got sizes ", t.sizes(), " strides ", t.strides());
-  if (device != nullptr) check_device(t, *device, what);
+  if (device != nullptr) FP8P_TRY(check_device(t, *device, what));
+  return {};
 }
 
 // a dtype code of native.DTYPE_CODES
-void check_code(int64_t code, const char* what) {
+Problem check_code(int64_t code, const char* what) {
   FP8P_CHECK(code >= 0 && code <= 2, "fp8_parallel native: ", what, " has unknown dtype code ", code);
+  return {};
 }
 
 // a tensor megatron's fused accumulation adds a [rows, cols] weight gradient into
-void check_main_grad(const Tensor& t, int64_t rows, int64_t cols, const at::Device& device, const char* what) {
+Problem check_main_grad(const Tensor& t, int64_t rows, int64_t cols, const at::Device& device, const char* what) {
   FP8P_CHECK(is_float(t.scalar_type()) && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
               "fp8_parallel native: ", what, " must be a float32 / bfloat16 / float16 [", rows, ", ", cols,
               "] tensor, got ", t.scalar_type(), " ", t.sizes());
-  check_device(t, device, what);
+  FP8P_TRY(check_device(t, device, what));
+  return {};
 }
 
 // `_quantize_torch`: the torch formulas, for CPU tensors and empty inputs
@@ -143,8 +156,6 @@ void cast_reference(const Tensor& x2, const Tensor& scale, const Tensor* data, c
 // contiguous buffers); the entry points have checked every argument
 void cast(const Tensor& x2, const Tensor& scale_buf, int64_t scale_index, const Tensor* data, const Tensor* t,
           const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index, const Tensor* noop, bool e5m2) {
-  check_slot(scale_buf, scale_index, x2.device(), "scale");  // (again: cheap, and the kernel takes a pointer)
-  if (amax_buf) check_slot(*amax_buf, amax_index, x2.device(), "amax slot");
 #ifdef FP8P_WITH_CUDA
   if (x2.is_cuda() && x2.numel() > 0) {
     cast_cuda(x2, scale_buf.data_ptr<float>() + scale_index,
@@ -220,11 +231,11 @@ void gemm_accumulate(const Tensor& a, const Tensor& b, const Tensor& a_sinv, con
 }  // namespace
 
 // `quantize`'s fused cast into given outputs: `data` (x's shape), `t` ([N, M]) or both; see cuda_ops.h
-void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, const OptTensor& data,
+Problem cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, const OptTensor& data,
                const OptTensor& t, const Tensor& scale_inv, const OptTensor& amax_buf, int64_t amax_index,
                const OptTensor& noop) {
   const at::Device device = x.device();
-  check_input(x, device, "input");
+  FP8P_TRY(check_input(x, device, "input"));
   const Tensor x2 = rows_2d(x.detach());
   FP8P_CHECK(data || t, "fp8_parallel native cast: neither data nor transpose given");
   if (data) {
@@ -233,26 +244,27 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
                 " elements, the input ", x2.numel());
     FP8P_CHECK(data->is_contiguous(), "fp8_parallel native cast: data must be contiguous, got sizes ",
                 data->sizes(), " strides ", data->strides());
-    check_device(*data, device, "data");
+    FP8P_TRY(check_device(*data, device, "data"));
   }
   if (t) {
-    check_fp8(*t, "transpose", &device);
+    FP8P_TRY(check_fp8(*t, "transpose", &device));
     FP8P_CHECK(t->size(0) == x2.size(1) && t->size(1) == x2.size(0), "fp8_parallel native cast: transpose has sizes ",
                 t->sizes(), ", the input ", x2.sizes());
     FP8P_CHECK(!data || data->scalar_type() == t->scalar_type(), "fp8_parallel native cast: data is ",
                 data->scalar_type(), ", transpose ", t->scalar_type());
   }
   const bool e5m2 = (data ? *data : *t).scalar_type() == at::kFloat8_e5m2;
-  check_scalar(scale_inv, device, "scale_inv");
-  check_slot(scale_buf, scale_index, device, "scale");
-  if (amax_buf) check_slot(*amax_buf, amax_index, device, "amax slot");
+  FP8P_TRY(check_scalar(scale_inv, device, "scale_inv"));
+  FP8P_TRY(check_slot(scale_buf, scale_index, device, "scale"));
+  if (amax_buf) FP8P_TRY(check_slot(*amax_buf, amax_index, device, "amax slot"));
   if (noop) {
     FP8P_CHECK(noop->numel() == 1, "fp8_parallel native cast: noop flag must be one element, got sizes ",
                 noop->sizes());
-    check_device(*noop, device, "noop flag");
+    FP8P_TRY(check_device(*noop, device, "noop flag"));
   }
   cast(x2, scale_buf, scale_index, data ? &*data : nullptr, t ? &*t : nullptr, scale_inv, amax_buf, amax_index,
        noop ? &*noop : nullptr, e5m2);
+  return {};
 }
 
 // One FP8 linear's forward: cast x (viewed as x2 [M, K]) with scale_buf[0] (E4M3) into amax_buf[amax_index],
@@ -261,38 +273,38 @@ void cast_into(const Tensor& x, const Tensor& scale_buf, int64_t scale_index, co
 // Returns [y (x's shape with N features), the FP8 transpose of x2 (keep_t) or undefined, x2's scale_inv, a copy
 // of scale_buf[0:2] (keep_scales: the scales backward re-casts x and a `w_hp` with) or undefined, the scale_inv
 // of a weight cast here or undefined].
-std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const OptTensor& amax_buf,
+Problem linear_fwd(std::vector<Tensor>& out, const Tensor& x, const Tensor& scale_buf, const OptTensor& amax_buf,
                                int64_t amax_index, bool keep_t, bool keep_scales, const OptTensor& w_data,
                                const OptTensor& w_sinv, const OptTensor& w_hp, const OptTensor& bias) {
   const at::Device device = x.device();
-  check_input(x, device, "input");
+  FP8P_TRY(check_input(x, device, "input"));
   FP8P_CHECK(w_hp ? !w_data && !w_sinv : w_data && w_sinv,
               "fp8_parallel native linear: give the FP8 weight and its scale_inv, or the weight to cast");
   const Tensor x2 = rows_2d(x);
   const int64_t K = x2.size(1);
   // the checks, before anything is read or written
-  check_slot(scale_buf, 0, device, "scale");
-  if (w_hp || keep_scales) check_slot(scale_buf, 1, device, "scale");
+  FP8P_TRY(check_slot(scale_buf, 0, device, "scale"));
+  if (w_hp || keep_scales) FP8P_TRY(check_slot(scale_buf, 1, device, "scale"));
   if (amax_buf) {
-    check_slot(*amax_buf, amax_index, device, "amax slot");
-    if (w_hp) check_slot(*amax_buf, amax_index + 1, device, "weight amax slot");
+    FP8P_TRY(check_slot(*amax_buf, amax_index, device, "amax slot"));
+    if (w_hp) FP8P_TRY(check_slot(*amax_buf, amax_index + 1, device, "weight amax slot"));
   }
   Tensor w2;
   int64_t N;
   if (w_hp) {
-    check_input(*w_hp, device, "weight");
+    FP8P_TRY(check_input(*w_hp, device, "weight"));
     w2 = rows_2d(w_hp->detach());
     N = w2.size(0);
     FP8P_CHECK(w2.size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ", w_hp->sizes());
   } else {
-    check_fp8(*w_data, "weight", &device);
-    check_scalar(*w_sinv, device, "weight scale_inv");
+    FP8P_TRY(check_fp8(*w_data, "weight", &device));
+    FP8P_TRY(check_scalar(*w_sinv, device, "weight scale_inv"));
     N = w_data->size(0);
     FP8P_CHECK(w_data->size(1) == K, "fp8_parallel native linear: input has ", K, " features, the weight ",
                 w_data->sizes());
   }
   if (bias) {
-    check_input(*bias, device, "bias");
+    FP8P_TRY(check_input(*bias, device, "bias"));
     FP8P_CHECK(bias->dim() == 1 && bias->size(0) == N, "fp8_parallel native linear: bias has sizes ", bias->sizes(),
                 ", the weight ", N, " outputs");
   }
@@ -318,7 +330,8 @@ std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const O
     shape.back() = qw.size(0);
     y = y.view(shape);
   }
-  return {y, qx_t, sinv, saved_scales, cast_sinv};
+  out = {y, qx_t, sinv, saved_scales, cast_sinv};
+  return {};
 }
 
 // One FP8 linear's backward from `linear_fwd`'s outputs: cast g2 ([M, N]) with g_scale_buf[0] (E5M2 when
@@ -328,34 +341,34 @@ std::vector<Tensor> linear_fwd(const Tensor& x, const Tensor& scale_buf, const O
 // float32 / bfloat16 / float16 [N, K] tensor), wgrad is added into it (accumulated in float32, one rounding)
 // instead of returned. Returns [grad_x (g's shape
 // with K features), grad_w, grad_b], undefined where not asked for (grad_w also with `main_grad`).
-std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const OptTensor& g_amax_buf,
+Problem linear_bwd(std::vector<Tensor>& out, const Tensor& g, const Tensor& g_scale_buf, const OptTensor& g_amax_buf,
                                int64_t g_amax_index, bool g_e5m2, const OptTensor& w_t, const OptTensor& w_ref,
                                const OptTensor& w_sinv, const OptTensor& x_t, const OptTensor& x_ref,
                                const OptTensor& saved_scales, const OptTensor& x_sinv, bool need_dgrad,
                                bool need_wgrad, bool need_bgrad, int64_t x_dtype, int64_t w_dtype,
                                const OptTensor& main_grad) {
   const at::Device device = g.device();
-  check_input(g, device, "grad_output");
+  FP8P_TRY(check_input(g, device, "grad_output"));
   const Tensor g2 = g.dim() == 2 ? g : g.reshape({-1, g.size(-1)});
   const int64_t M = g2.size(0), N = g2.size(1);
   // the checks, before anything is read or written
-  check_slot(g_scale_buf, 0, device, "grad_output scale");
-  if (g_amax_buf) check_slot(*g_amax_buf, g_amax_index, device, "grad_output amax slot");
-  check_code(x_dtype, "the input's dtype");
-  check_code(w_dtype, "the weight's dtype");
+  FP8P_TRY(check_slot(g_scale_buf, 0, device, "grad_output scale"));
+  if (g_amax_buf) FP8P_TRY(check_slot(*g_amax_buf, g_amax_index, device, "grad_output amax slot"));
+  FP8P_TRY(check_code(x_dtype, "the input's dtype"));
+  FP8P_TRY(check_code(w_dtype, "the weight's dtype"));
   int64_t K = -1;  // the input's features, from the dgrad's or the wgrad's operand
   if (need_dgrad) {
     FP8P_CHECK((w_t || w_ref) && w_sinv, "fp8_parallel native linear: dgrad needs the weight's FP8 transpose");
-    check_scalar(*w_sinv, device, "weight scale_inv");
+    FP8P_TRY(check_scalar(*w_sinv, device, "weight scale_inv"));
     if (w_t) {
-      check_fp8(*w_t, "weight transpose", &device);
+      FP8P_TRY(check_fp8(*w_t, "weight transpose", &device));
       FP8P_CHECK(w_t->size(1) == N, "fp8_parallel native linear: weight transpose has sizes ", w_t->sizes(),
                   ", the gradient ", N, " features");
       K = w_t->size(0);
     } else {
-      check_input(*w_ref, device, "weight");
+      FP8P_TRY(check_input(*w_ref, device, "weight"));
       FP8P_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
-      check_slot(*saved_scales, 1, device, "saved scales");
+      FP8P_TRY(check_slot(*saved_scales, 1, device, "saved scales"));
       const Tensor w2 = rows_2d(w_ref->detach());
       FP8P_CHECK(w2.size(0) == N, "fp8_parallel native linear: weight has sizes ", w_ref->sizes(), ", the gradient ",
                   N, " features");
@@ -364,17 +377,17 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
   }
   if (need_wgrad) {
     FP8P_CHECK(x_sinv && (x_t || x_ref), "fp8_parallel native linear: wgrad needs the input's FP8 transpose");
-    check_scalar(*x_sinv, device, "input scale_inv");
+    FP8P_TRY(check_scalar(*x_sinv, device, "input scale_inv"));
     int64_t k = -1;
     if (x_t) {
-      check_fp8(*x_t, "input transpose", &device);
+      FP8P_TRY(check_fp8(*x_t, "input transpose", &device));
       FP8P_CHECK(x_t->size(1) == M, "fp8_parallel native linear: input transpose has sizes ", x_t->sizes(),
                   ", the gradient ", M, " rows");
       k = x_t->size(0);
     } else {
-      check_input(*x_ref, device, "input");
+      FP8P_TRY(check_input(*x_ref, device, "input"));
       FP8P_CHECK(saved_scales, "fp8_parallel native linear: a re-cast needs the forward's scales");
-      check_slot(*saved_scales, 0, device, "saved scales");
+      FP8P_TRY(check_slot(*saved_scales, 0, device, "saved scales"));
       const Tensor r2 = rows_2d(x_ref->detach());
       FP8P_CHECK(r2.size(0) == M, "fp8_parallel native linear: input has sizes ", x_ref->sizes(), ", the gradient ",
                   M, " rows");
@@ -382,7 +395,7 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
     }
     FP8P_CHECK(K < 0 || k == K, "fp8_parallel native linear: the weight has ", K, " input features, the input ", k);
     if (main_grad) {
-      check_main_grad(*main_grad, N, k, device, "main_grad");
+      FP8P_TRY(check_main_grad(*main_grad, N, k, device, "main_grad"));
     }
   }
   const Tensor g2c = g2.stride(1) == 1 ? g2 : g2.contiguous();
@@ -422,7 +435,8 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
     shape.back() = grad_x.size(1);
     grad_x = grad_x.view(shape);
   }
-  return {grad_x, grad_w, grad_b};
+  out = {grad_x, grad_w, grad_b};
+  return {};
 }
 
 // The experts' backward GEMMs of a grouped call with per-expert GEMMs (`_grouped_gemm._direct_expert_backward`),
@@ -435,7 +449,7 @@ std::vector<Tensor> linear_bwd(const Tensor& g, const Tensor& g_scale_buf, const
 // need_w[e], g_t_e @ x_t_e.T in `w_dtypes[e]`, zeros for an expert without rows, or, given `main_grads[e]`,
 // added into it (float32 accumulation, one rounding) and not returned. `g_sinv`, `x_sinv`: one scale_inv per
 // expert (views, 16 bytes apart). Returns [grad_x or undefined, then per expert its grad_w or undefined].
-std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, const Tensor& g_sinv,
+Problem experts_bwd(std::vector<Tensor>& out, int64_t n, int64_t k, const OptTensor& g_rows, const Tensor& g_sinv,
                                 const std::vector<int64_t>& splits,
                                 const std::vector<Tensor>& w_t, const std::vector<Tensor>& w_sinv, int64_t x_dtype,
                                 const OptTensor& g_t, const OptTensor& x_t, const OptTensor& x_sinv,
@@ -452,13 +466,13 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
   const bool dgrad = g_rows.has_value(), wgrad = g_t && x_t;
   std::vector<int64_t> starts(experts);
   if (dgrad) {
-    check_fp8(*g_rows, "grad_output cast", &device);
+    FP8P_TRY(check_fp8(*g_rows, "grad_output cast", &device));
     FP8P_CHECK(g_rows->size(1) == n, "fp8_parallel native experts: the grad_output cast has sizes ", g_rows->sizes(),
                 ", the experts ", n, " outputs");
     FP8P_CHECK(static_cast<int64_t>(w_t.size()) == experts && static_cast<int64_t>(w_sinv.size()) == experts,
                 "fp8_parallel native experts: ", w_t.size(), " weight transposes and ", w_sinv.size(),
                 " scale_invs for ", experts, " experts");
-    check_code(x_dtype, "the input's dtype");
+    FP8P_TRY(check_code(x_dtype, "the input's dtype"));
     const int64_t total = g_rows->size(0);
     int64_t rows = 0;
     for (int64_t e = 0; e < experts; ++e) {
@@ -475,15 +489,15 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
                   w_t[e].scalar_type(), " sizes ", w_t[e].sizes(), " strides ", w_t[e].strides());
       FP8P_CHECK(w_t[e].size(0) == k && w_t[e].size(1) == n, "fp8_parallel native experts: weight transpose ", e,
                   " has sizes ", w_t[e].sizes(), ", expected [", k, ", ", n, "]");
-      check_device(w_t[e], device, "a weight transpose");
-      check_scalar(w_sinv[e], device, "a weight scale_inv");
+      FP8P_TRY(check_device(w_t[e], device, "a weight transpose"));
+      FP8P_TRY(check_scalar(w_sinv[e], device, "a weight scale_inv"));
     }
   }
   if (wgrad) {
     FP8P_CHECK(x_sinv && x_sinv->scalar_type() == at::kFloat && x_sinv->dim() == 1 && x_sinv->size(0) == experts,
                 "fp8_parallel native experts: the inputs' scale_invs must be one float32 per expert, got ",
                 x_sinv ? x_sinv->sizes() : at::IntArrayRef{}, " for ", experts, " experts");
-    check_device(*x_sinv, device, "the inputs' scale_invs");
+    FP8P_TRY(check_device(*x_sinv, device, "the inputs' scale_invs"));
     FP8P_CHECK(static_cast<int64_t>(padded_starts.size()) == experts &&
                     static_cast<int64_t>(padded_rows.size()) == experts &&
                     static_cast<int64_t>(need_w.size()) == experts &&
@@ -497,11 +511,11 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
       FP8P_CHECK(is_fp8(buf->scalar_type()) && buf->is_contiguous(), "fp8_parallel native experts: the ", what,
                   " must be a contiguous FP8 buffer, got ", buf->scalar_type(), " sizes ", buf->sizes(), " strides ",
                   buf->strides());
-      check_device(*buf, device, what);
+      FP8P_TRY(check_device(*buf, device, what));
     }
     for (int64_t e = 0; e < experts; ++e) {
       if (!need_w[e]) continue;
-      check_code(w_dtypes[e], "a weight gradient's dtype");
+      FP8P_TRY(check_code(w_dtypes[e], "a weight gradient's dtype"));
       const int64_t ps = padded_starts[e], pm = padded_rows[e];
       // [ps, ps + pm) of the padded rows, in both buffers (compared by division: no overflow)
       const int64_t g_rows_have = g_t->numel() / n, x_rows_have = x_t->numel() / k;
@@ -518,7 +532,7 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
       }
     }
   }
-  std::vector<Tensor> out(experts + 1);
+  out.assign(experts + 1, Tensor());
   if (dgrad) {
     Tensor grad_x = at::empty({g_rows->size(0), k}, g_rows->options().dtype(dtype_of(x_dtype)));
     for (int64_t e = experts - 1; e >= 0; --e) {
@@ -550,55 +564,54 @@ std::vector<Tensor> experts_bwd(int64_t n, int64_t k, const OptTensor& g_rows, c
       }
     }
   }
-  return out;
+  return {};
 }
 
 }  // namespace fp8p
 
 namespace {
 
-// An entry point whose errors (ours and ATen's) reach Python as RuntimeError with the message alone. pybind11's
-// default translation calls c10::Error::what(), which symbolizes the C++ backtrace; where this module's
-// pybind11 does not share torch's translators (another compiler or ABI tag), that crashed on some machines.
-template <typename R, typename... Args>
-auto plain_errors(R (*fn)(Args...)) {
-  return [fn](Args... args) -> R {
-    try {
-      return fn(std::forward<Args>(args)...);
-    } catch (const c10::Error& e) {
-      throw std::runtime_error(e.what_without_backtrace());
-    }
+using fp8p::Problem;
+
+// An ATen error inside a call whose arguments passed the checks (out of memory, a failed GEMM), as a problem:
+// its message without the C++ backtrace (symbolizing that crashed on some machines).
+template <typename Run>
+Problem problem_of(Run&& run) {
+  try {
+    return run();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+// An entry point with outputs as Python sees it: returns (problem, outputs), the problem "" when it ran.
+template <typename... Args>
+auto with_outputs(Problem (*fn)(std::vector<at::Tensor>&, Args...)) {
+  return [fn](Args... args) {
+    std::vector<at::Tensor> out;
+    Problem problem = problem_of([&] { return fn(out, std::forward<Args>(args)...); });
+    return std::make_pair(std::move(problem), std::move(out));
   };
 }
 
-
-// FP8P_NATIVE_SEGV_TRACE=1: a crash (SIGSEGV, SIGBUS, SIGABRT) prints the C++ frames to stderr before the
-// process dies as it would have (a debugging aid for crashes that a debugger cannot reach).
-void print_native_frames(int sig) {
-  void* frames[64];
-  const int n = backtrace(frames, 64);
-  const char head[] = "fp8_parallel native: fatal signal; C++ frames:\n";
-  (void)!write(2, head, sizeof(head) - 1);
-  backtrace_symbols_fd(frames, n, 2);
-  std::signal(sig, SIG_DFL);
-  std::raise(sig);
-}
-
-void install_crash_trace() {
-  const char* on = std::getenv("FP8P_NATIVE_SEGV_TRACE");
-  if (on == nullptr || on[0] != '1') return;
-  for (int sig : {SIGSEGV, SIGBUS, SIGABRT}) std::signal(sig, print_native_frames);
+// An entry point that writes into given tensors: returns its problem, "" when it ran.
+template <typename... Args>
+auto writing(Problem (*fn)(Args...)) {
+  return [fn](Args... args) { return problem_of([&] { return fn(std::forward<Args>(args)...); }); };
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  install_crash_trace();
-  m.doc() = "fp8_parallel's compiled host path: FP8 cast and FP8 linear forward / backward";
-  m.def("cast_into", plain_errors(&fp8p::cast_into), "fused FP8 cast into given outputs");
-  m.def("linear_fwd", plain_errors(&fp8p::linear_fwd), "one FP8 linear's forward");
-  m.def("linear_bwd", plain_errors(&fp8p::linear_bwd), "one FP8 linear's backward");
-  m.def("experts_bwd", plain_errors(&fp8p::experts_bwd), "the per-expert backward GEMMs of a grouped call");
+  m.doc() =
+      "fp8_parallel's compiled host path: FP8 cast and FP8 linear forward / backward. Call it through "
+      "fp8_parallel.native, which raises the problems these functions return.";
+  m.def("cast_into", writing(&fp8p::cast_into), "fused FP8 cast into given outputs");
+  m.def("linear_fwd", with_outputs(&fp8p::linear_fwd), "one FP8 linear's forward");
+  m.def("linear_bwd", with_outputs(&fp8p::linear_bwd), "one FP8 linear's backward");
+  m.def("experts_bwd", with_outputs(&fp8p::experts_bwd), "the per-expert backward GEMMs of a grouped call");
 #ifdef FP8P_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

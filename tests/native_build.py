@@ -6,6 +6,7 @@ named after the sources, torch and Python, so an edit of the sources gets a fres
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import os
 import sys
@@ -21,7 +22,8 @@ _built: Optional[native.NativeOps] = None
 
 def _build_key() -> str:
     digest = hashlib.sha256(f"{torch.__version__} {sys.version} {native.sanitized()}".encode())
-    for path in sorted(native.sources()[0]):
+    headers = glob.glob(os.path.join(os.path.dirname(native.sources()[0][0]), "*.h"))
+    for path in sorted(native.sources()[0]) + sorted(headers):
         with open(path, "rb") as source:
             digest.update(source.read())
     return digest.hexdigest()[:16]

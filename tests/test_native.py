@@ -8,6 +8,8 @@ kernels as well. Every comparison is exact: the two paths must produce the same 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 
 import pytest
 import torch
@@ -189,6 +191,24 @@ def test_native_linear_matches_python_path(cpu_ext):
 def test_native_linear_matches_python_path_gpu():
     ext = _cuda_extension()
     _check_linear(lambda: ext, "cuda", seed_for("test_native_linear_matches_python_path_gpu"))
+
+
+def test_native_sources_build_messages_without_iostreams():
+    """No message in `csrc/` goes through an ostream (c10::str, TORCH_CHECK, AT_ERROR, std::ostringstream): where
+    the toolchain links a static libstdc++ without a set-up locale, the first one segfaults (messages.h). The
+    tests below run the rejecting calls; this keeps new code from bringing the streams back."""
+    here = os.path.dirname(native.sources()[0][0])
+    banned = re.compile(r"\b(c10::str|TORCH_CHECK\w*|AT_ERROR|AT_ASSERT\w*|std::(o|i)?stringstream|std::cout|std::cerr)\b"
+                        r"|<sstream>|<iostream>")
+    found = []
+    for name in sorted(os.listdir(here)):
+        with open(os.path.join(here, name)) as source:
+            for number, line in enumerate(source, 1):
+                code = line.split("//")[0]
+                if banned.search(code):
+                    found.append(f"{name}:{number}: {line.strip()}")
+    assert not found, "messages built with iostreams:\n" + "\n".join(found)
+    assert any("native.cpp" in n for n in native.sources()[0]) and len(os.listdir(here)) >= 4
 
 
 def test_native_cast_rejects_bad_outputs(cpu_ext):

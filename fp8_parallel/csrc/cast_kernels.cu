@@ -10,7 +10,10 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <stdexcept>
+
 #include "cuda_ops.h"
+#include "messages.h"
 
 namespace fp8p {
 namespace {
@@ -278,7 +281,8 @@ void cast_cuda(const at::Tensor& x, const float* scale, unsigned char* data, uns
       e5m2 ? launch<float, __NV_E5M2>(a, stream) : launch<float, __NV_E4M3>(a, stream);
       break;
     default:
-      TORCH_CHECK(false, "fp8_parallel cast: input dtype ", x.scalar_type(), " is not float32, float16 or bfloat16");
+      throw std::runtime_error(
+          message("fp8_parallel cast: input dtype ", x.scalar_type(), " is not float32, float16 or bfloat16"));
   }
 }
 

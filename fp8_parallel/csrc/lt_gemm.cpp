@@ -9,6 +9,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
+#include <stdexcept>
+
+#include "messages.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -25,7 +29,7 @@ cudaDataType_t cuda_type(at::ScalarType t) {
     case at::kBFloat16: return CUDA_R_16BF;
     case at::kHalf: return CUDA_R_16F;
     case at::kFloat: return CUDA_R_32F;
-    default: TORCH_CHECK(false, "fp8_parallel cuBLASLt GEMM: unsupported dtype ", t);
+    default: throw std::runtime_error(message("fp8_parallel cuBLASLt GEMM: unsupported dtype ", t));
   }
 }
 
@@ -59,8 +63,9 @@ struct Plan {
 #define FP8P_LT_CHECK(call)                                                                            \
   do {                                                                                                 \
     const cublasStatus_t status_ = (call);                                                             \
-    TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "fp8_parallel cuBLASLt GEMM: ", #call, " failed (status ", \
-                (int)status_, ")");                                                                    \
+    if (status_ != CUBLAS_STATUS_SUCCESS)                                                              \
+      throw std::runtime_error(message("fp8_parallel cuBLASLt GEMM: ", #call, " failed (status ",     \
+                                       static_cast<int>(status_), ")"));                               \
   } while (0)
 
 // cuBLAS is column-major: the row-major result [M, N] = a [M, K] @ b [N, K].T is the column-major [N, M] =

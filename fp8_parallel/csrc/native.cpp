@@ -8,17 +8,18 @@
 #include <utility>
 #include <vector>
 
+#include "messages.h"
+
 #ifdef FP8P_WITH_CUDA
 #include "cuda_ops.h"
 #endif
 
 // Rejecting a call throws nothing: every argument check returns the first failed check's message (a Problem,
 // empty when the arguments are good), the entry points return it to Python, and `native.py` raises it there as
-// a RuntimeError. (Throwing C++ exceptions out of this module's checks crashed the CPU build on the GPU machines,
-// on the unwinding path; no C++ exception is thrown to reject a call now.)
+// a RuntimeError. The messages are built without iostreams (messages.h says why).
 #define FP8P_CHECK(cond, ...)                                        \
   do {                                                               \
-    if (!(cond)) return ::fp8p::Problem(::c10::str(__VA_ARGS__));    \
+    if (!(cond)) return ::fp8p::message(__VA_ARGS__);                \
   } while (false)
 
 // returns the problem a check found, if any

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .startup import import_megatron_core
+
+import_megatron_core()  # megatron-core without torch's compiler (see startup.py), before its imports below
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType

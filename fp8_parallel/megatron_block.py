@@ -11,6 +11,9 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from .startup import import_megatron_core
+
+import_megatron_core()  # megatron-core without torch's compiler (see startup.py), before its imports below
 from megatron.core import tensor_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from .startup import import_megatron_core
+
+import_megatron_core()  # megatron-core without torch's compiler (see startup.py), before its imports below
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.utils import get_pg_rank

@@ -51,6 +51,12 @@ def pytest_configure(config):
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     else:  # an xdist worker: the controller's seed
         config.fp8p_test_seed = int(workerinput["fp8p_test_seed"])
+    if workerinput is not None or getattr(config.option, "numprocesses", None) in (None, 0):
+        # a process that runs tests: megatron-core without torch's compiler (fp8_parallel/startup.py), before
+        # the test modules import it (CUDA is hidden above first)
+        from fp8_parallel.startup import import_megatron_core
+
+        import_megatron_core()
     # read by seeds.session_seed here, in xdist workers (started after this) and in every subprocess
     os.environ[seeds.ENV_VAR] = str(config.fp8p_test_seed)
 

@@ -27,6 +27,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ..startup import import_megatron_core
+
+import_megatron_core()  # megatron-core without torch's compiler (see startup.py), before its imports below
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention

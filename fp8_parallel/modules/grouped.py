@@ -18,6 +18,9 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
+from ..startup import import_megatron_core
+
+import_megatron_core()  # megatron-core without torch's compiler (see startup.py), before its imports below
 from megatron.core.transformer.module import MegatronModule
 
 from ..expert_scope import experts_reduce_over_dense_dp, expert_scope

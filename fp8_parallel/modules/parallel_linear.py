@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..startup import import_megatron_core
+
+import_megatron_core()  # megatron-core without torch's compiler (see startup.py), before its imports below
 from megatron.core import tensor_parallel as mtp
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,

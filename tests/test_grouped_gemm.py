@@ -496,6 +496,54 @@ def test_bf16_grouped_gemm_without_fp8(monkeypatch):
     _bf16_grouped_cases("cpu", monkeypatch)
 
 
+def test_bf16_grouped_gemm_stacks_the_weights_once_per_step(monkeypatch):
+    """CPU, torch's real bfloat16 grouped GEMM: with megatron's `is_first_microbatch` protocol the experts'
+    weights are stacked once per step (True), reused by later microbatches (False) and by backward, with results
+    bit for bit those of stacking per call (None); a weight updated in place since is stacked again, never
+    used stale."""
+    testing.set_grouped_gemm(monkeypatch, True, bf16_device=True)
+    stacks: List[int] = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real_stack(*a, **k))
+    seed = _seed("bf16-grouped-stack-cache")
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    cached, per_call = _twins(seed, "cpu")
+
+    def step(lin, first, x, dy):
+        xi = x.clone().requires_grad_()
+        with te.autocast(enabled=False):
+            y = lin(xi, SPLITS, is_first_microbatch=first)
+        y.backward(dy)
+        return y, xi.grad
+
+    for microbatch, first in enumerate((True, False, False)):
+        x = torch.randn(sum(SPLITS), IN, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(sum(SPLITS), OUT, generator=gen).to(torch.bfloat16)
+        before = len(stacks)
+        got = step(cached, first, x, dy)
+        assert len(stacks) - before == (1 if first else 0), (microbatch, f"seed {seed}")
+        before = len(stacks)
+        want = step(per_call, None, x, dy)
+        assert len(stacks) - before == 2, f"seed {seed}"  # forward and input gradient, per call
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (microbatch, f"seed {seed}")
+    for i in range(len(SPLITS)):
+        w_c, w_p = getattr(cached, f"weight{i}"), getattr(per_call, f"weight{i}")
+        assert torch.equal(w_c.grad, w_p.grad), (i, f"seed {seed}")
+    # an in-place update without a new first microbatch: stacked again, the output that of the new weights
+    with torch.no_grad():
+        for lin in (cached, per_call):
+            lin.weight2.mul_(-0.5)
+    x = torch.randn(sum(SPLITS), IN, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(sum(SPLITS), OUT, generator=gen).to(torch.bfloat16)
+    before = len(stacks)
+    got = step(cached, False, x, dy)
+    assert len(stacks) - before == 1, f"a weight updated in place was not stacked again (seed {seed})"
+    want = step(per_call, None, x, dy)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed {seed}"
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_grouped_gemm_without_fp8(monkeypatch):
     """The bfloat16 grouped GEMM on the GPU against the per-expert GEMMs and float64."""

@@ -72,6 +72,7 @@ class FP8State(torch.nn.Module):
         self.weight_fp8: Optional[Float8Tensor] = None  # cached FP8 weight (is_first_microbatch)
         self.weight_version: Optional[int] = None  # the weight's version counter when it was cached
         self.expert_stack = None  # first expert of a grouped linear: all experts' weight caches in one home
+        self.bf16_stack = None  # first expert, without FP8: (weights, their versions, their [E, N, K] stack)
         self._native_key: Optional[tuple] = None  # the layer conditions `_native_layer` last decided, and for what
         self._native_ok = False
         self._prepared_for: Optional[Recipe] = None

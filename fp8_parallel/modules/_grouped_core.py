@@ -91,7 +91,8 @@ def grouped_fp8_linear(
         return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8, into)
     if path == "bf16":
         ends = torch.tensor(list(cumulative(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
-        return _GroupedBF16Linear.apply(x, ends, into, *weights)
+        stack = stacked_bf16_weights(weights, states[0], is_first_microbatch)
+        return _GroupedBF16Linear.apply(x, ends, into, stack, *weights)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store,
                        fuse_wgrad_accumulation=fused)
             for chunk, w, b, st, store, fused in zip(torch.split(x, list(splits), dim=0), weights, biases, states,
@@ -123,30 +124,57 @@ def _grouped_path(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
 
 
 class _GroupedBF16Linear(torch.autograd.Function):
-    """`apply(x, ends, into, *weights)`: expert `i`'s rows of `x` (up to `ends[i]`) times `weights[i].T`, as one
-    `torch._grouped_mm` per GEMM; `into[i]`: expert `i`'s weight gradient is added into its `main_grad`. Saves
-    the weights themselves (not their stack) for backward."""
+    """`apply(x, ends, into, stack, *weights)`: expert `i`'s rows of `x` (up to `ends[i]`) times `weights[i].T`, as
+    one `torch._grouped_mm` per GEMM; `into[i]`: expert `i`'s weight gradient is added into its `main_grad`.
+    `stack`: the weights as one cached `[E, N, K]` tensor (`stacked_bf16_weights`), used by the forward and the
+    input gradient; None: stacked here for this call, and again in backward (the weights themselves are saved,
+    not a copy of them)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, into: Sequence[bool], *weights: torch.Tensor) -> torch.Tensor:
-        ctx.into = into
-        ctx.save_for_backward(x, ends, *weights)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, into: Sequence[bool], stack: Optional[torch.Tensor],
+                *weights: torch.Tensor) -> torch.Tensor:
+        ctx.into, ctx.cached = into, stack is not None
+        ctx.save_for_backward(x, ends, *weights, *((stack,) if stack is not None else ()))
+        return torch._grouped_mm(x, (stack if stack is not None else torch.stack(weights)).transpose(1, 2), offs=ends)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, ends, *weights = ctx.saved_tensors
+        stack = weights.pop() if ctx.cached else None
         grad_out = grad_out.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e: the weights stacked row-major [E, N, K]
-            grad_x = torch._grouped_mm(grad_out, torch.stack(weights), offs=ends)
-        needs_w = ctx.needs_input_grad[3:]
+            grad_x = torch._grouped_mm(grad_out, stack if stack is not None else torch.stack(weights), offs=ends)
+        needs_w = ctx.needs_input_grad[4:]
         if any(needs_w):  # dW_e = dy_e^T @ x_e: groups along the contracted rows
             grad_w = list(torch._grouped_mm(grad_out.t(), x, offs=ends).unbind(0))
             fused = [i for i, (f, need) in enumerate(zip(ctx.into, needs_w)) if f and need]
             for i, placeholder in zip(fused, add_into_main_grads([weights[i] for i in fused], [grad_w[i] for i in fused])):
                 grad_w[i] = placeholder
-        return (grad_x, None, None, *(grad_w if grad_w is not None else [None] * len(weights)))
+        return (grad_x, None, None, None, *(grad_w if grad_w is not None else [None] * len(weights)))
+
+
+def stacked_bf16_weights(weights: Sequence[torch.Tensor], state: FP8State,
+                         is_first_microbatch: Optional[bool]) -> Optional[torch.Tensor]:
+    """The experts' bfloat16 weights as one `[E, N, K]` tensor, kept on the first expert's state and reused across
+    a step's microbatches as the FP8 weight casts are (megatron's `is_first_microbatch` protocol): True stacks
+    them again (into the same buffer), False reuses the stack unless a weight was replaced or updated in place
+    since (its version counter moved). None: no cache (the caller stacks per call)."""
+    if is_first_microbatch is None:
+        return None
+    versions = tuple(w._version for w in weights)
+    kept = state.bf16_stack
+    if (is_first_microbatch is False and kept is not None and len(kept[0]) == len(weights)
+            and all(a is b for a, b in zip(kept[0], weights)) and kept[1] == versions):
+        return kept[2]
+    buffer = kept[2] if kept is not None else None
+    shape = (len(weights), *weights[0].shape)
+    if buffer is None or buffer.shape != shape or buffer.dtype != weights[0].dtype or buffer.device != weights[0].device:
+        buffer = torch.empty(shape, dtype=weights[0].dtype, device=weights[0].device)
+    with torch.no_grad():
+        torch.stack([w.detach() for w in weights], out=buffer)
+    state.bf16_stack = (tuple(weights), versions, buffer)
+    return buffer
 
 
 def _grouped_fp8_forward(x: torch.Tensor, splits: List[int], weights: Sequence[torch.Tensor],

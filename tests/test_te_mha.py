@@ -523,3 +523,44 @@ def test_gpu_mha_matches_float64_reference(name, rname, dtype):
     float64 CPU reference with the CPU test's tolerances (float16 as bfloat16's)."""
     seed = _seed(f"gpu/mha/{name}/{rname}/{dtype}")
     run_mha_case(name, CONFIGS[name], rname, dtype, seed, device="cuda")
+
+
+def test_assigning_a_whole_qkv_weight_replaces_the_split_parts():
+    """TransformerEngine's quickstart shares a plain model's QKV projection by assigning
+    `layernorm_qkv.weight` / `.bias` of a TransformerLayer (split QKV parameters by default). The assigned
+    Parameters become the module's own: used by forward (float64 reference), trained by backward, in FP8 too;
+    a wrong shape or a plain tensor is refused naming it."""
+    seed = _seed("assign-whole-qkv")
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    hidden = 64
+    layer = te.TransformerLayer(hidden, 128, 4, device="cpu", params_dtype=torch.float32)
+    qkv = torch.nn.Linear(hidden, 3 * hidden)
+    module = layer.self_attention.layernorm_qkv
+    module.weight, module.bias = qkv.weight, qkv.bias
+    assert module.weight is qkv.weight and module.bias is qkv.bias, f"seed {seed}"
+    names = [n for n, _ in module.named_parameters()]
+    assert names == ["layer_norm_weight", "layer_norm_bias", "weight", "bias"], names
+    x = torch.randn(8, 2, hidden, dtype=torch.float64)
+    normed = torch.nn.functional.layer_norm(x, (hidden,), module.layer_norm_weight.double(),
+                                            module.layer_norm_bias.double(), 1e-5)
+    want = torch.nn.functional.linear(normed, qkv.weight.double(), qkv.bias.double())
+    got = module(x.float())
+    got = got[0] if isinstance(got, tuple) else got
+    assert _rel(got, want) < 1e-5, (f"seed {seed}", _rel(got, want))
+    got.sum().backward()
+    assert qkv.weight.grad is not None and qkv.weight.grad.abs().sum() > 0 and qkv.bias.grad is not None
+    with te.autocast(enabled=True, recipe=recipe.DelayedScaling()):
+        out = layer(torch.randn(8, 2, hidden))
+    assert out.shape == (8, 2, hidden) and torch.isfinite(out).all(), f"seed {seed}"
+    with pytest.raises(ValueError, match=r"LayerNormLinear\.weight: assigned shape \(10, 64\).*\(192, 64\)"):
+        module.weight = torch.nn.Parameter(torch.randn(10, hidden))
+    with pytest.raises(TypeError, match="cannot assign torch.FloatTensor as parameter 'weight'"):
+        layer.self_attention.layernorm_qkv.weight = torch.randn(3 * hidden, hidden)
+    fresh = te.TransformerLayer(hidden, 128, 4, device="cpu", params_dtype=torch.float32)
+    split = fresh.self_attention.layernorm_qkv
+    split.bias = torch.nn.Parameter(torch.zeros(3 * hidden))  # one kind only: the weight stays split
+    assert [n for n, _ in split.named_parameters()] == ["layer_norm_weight", "layer_norm_bias", "query_weight",
+                                                         "key_weight", "value_weight", "bias"]
+    split.reset_parameters()
+    assert torch.equal(split.bias, torch.zeros(3 * hidden)), "the assigned bias is initialized as a bias"

@@ -82,12 +82,15 @@ class _SplitParameters:
     """Mixin for `Linear` / `LayerNormLinear`: TransformerEngine's `parameters_split`. The weight and bias the
     base class made (this rank's rows, initialized) become one parameter per part, `{part}_weight` /
     `{part}_bias`; `weight` / `bias` read as their concatenation, so the base class's forward (one FP8 cast of
-    the whole weight, as TransformerEngine's) runs unchanged."""
+    the whole weight, as TransformerEngine's) runs unchanged. Assigning a whole `weight` (or `bias`) Parameter
+    after construction, as TransformerEngine's quickstart does to share a plain model's QKV projection, makes
+    that Parameter the module's own and drops the parts of that kind."""
 
     def _split(self, parts: Dict[str, int]) -> None:
         weight, bias = self._parameters.pop("weight"), self._parameters.pop("bias")
         inits = recorded_inits(self)
         self._whole_weight_init, bias_init = inits.pop("weight"), inits.pop("bias", None)
+        self._whole_bias_init = bias_init
         tp = self.tp.size if self.tp.mode == "column" else 1
         self._parts: List[str] = list(parts)
         start = 0
@@ -114,7 +117,7 @@ class _SplitParameters:
         """As the base class's, the parts' weights drawn as one weight and split, as the constructor did (the
         same values for the same seed on any device)."""
         super().reset_parameters(defer_init)
-        if defer_init:
+        if defer_init or "weight" in self._parameters:  # (a whole weight assigned: initialized as recorded)
             return
         parts = [self._parameters[f"{part}_weight"] for part in self._parts]
         whole = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype,
@@ -125,7 +128,7 @@ class _SplitParameters:
                 p.copy_(rows)
 
     def _joined(self, kind: str) -> Optional[torch.Tensor]:
-        if kind in self._parameters:  # during the base class's constructor
+        if kind in self._parameters:  # during the base class's constructor, or a whole one assigned since
             return self._parameters[kind]
         tensors = [self._parameters[f"{part}_{kind}"] for part in self._parts]
         if tensors[0] is None:
@@ -139,22 +142,54 @@ class _SplitParameters:
     def gemm_weight(self) -> Tuple[torch.Tensor, bool]:
         """The joined weight, each part's gradient into its own `main_grad` with `fuse_wgrad_accumulation`
         (added by the parts' views, not by the GEMM)."""
-        owner = next(c.__name__ for c in type(self).__mro__ if not c.__name__.startswith("_"))
+        owner = self._public_name()
+        if "weight" in self._parameters:  # a whole weight assigned
+            return weight_for_gemm(self._parameters["weight"], self.fuse_wgrad_accumulation, owner, "weight"), False
         parts = [weight_for_gemm(self._parameters[f"{part}_weight"], self.fuse_wgrad_accumulation, owner,
                                  f"{part}_weight") for part in self._parts]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)), False
 
     @weight.setter
     def weight(self, value: Optional[torch.nn.Parameter]) -> None:
-        self._parameters["weight"] = value
+        self._assign_whole("weight", value)
+
+    def _public_name(self) -> str:
+        return next(c.__name__ for c in type(self).__mro__ if not c.__name__.startswith("_"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("weight", "bias") and "_parts" in self.__dict__:  # (torch's would refuse: the name exists)
+            self._assign_whole(name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _assign_whole(self, kind: str, value: Optional[torch.nn.Parameter]) -> None:
+        """`weight` / `bias` set as one Parameter: during the base class's constructor, or replacing the parts."""
+        if "_parts" not in self.__dict__:  # the base class's constructor
+            self._parameters[kind] = value
+            return
+        if value is not None and not isinstance(value, torch.nn.Parameter):
+            raise TypeError(f"cannot assign {torch.typename(value)} as parameter '{kind}' of {self._public_name()} "
+                            "(torch.nn.Parameter or None expected)")
+        current = self._joined(kind)
+        if value is not None and current is not None and value.shape != current.shape:
+            raise ValueError(f"{self._public_name()}.{kind}: assigned shape {tuple(value.shape)}, the module's "
+                             f"{kind} (its {'/'.join(self._parts)} parts joined) is {tuple(current.shape)}")
+        inits = recorded_inits(self)
+        for part in self._parts:
+            self._parameters.pop(f"{part}_{kind}", None)
+            inits.pop(f"{part}_{kind}", None)
+        self._parameters[kind] = value
+        init = self._whole_weight_init if kind == "weight" else self._whole_bias_init
+        if value is not None and init is not None:
+            record_init(self, kind, init)
 
     @property
     def bias(self) -> Optional[torch.Tensor]:  # type: ignore[override]
         return self._joined("bias")
 
     @bias.setter
-    def bias(self, value: Optional[torch.nn.Parameter]) -> None:  # the base class's `bias = None`
-        self._parameters["bias"] = value
+    def bias(self, value: Optional[torch.nn.Parameter]) -> None:  # also the base class's `bias = None`
+        self._assign_whole("bias", value)
 
 
 class _SplitLinear(_SplitParameters, Linear):

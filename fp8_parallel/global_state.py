@@ -34,8 +34,9 @@ class FP8GlobalStateManager:
 
     @classmethod
     def is_fp8_calibration(cls) -> bool:
-        """Always False: there is no calibration mode."""
-        return False
+        """Whether the innermost open autocast scope calibrates (`calibrating=True`)."""
+        scope = scopes.current_scope()
+        return scope is not None and scope.calibrating
 
     @classmethod
     def with_fp8_parameters(cls) -> bool:

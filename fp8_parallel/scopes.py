@@ -169,6 +169,9 @@ class _Scope:
     owns_state: bool
     training: bool  # a training forward: grad enabled, or the first pass of a reentrant checkpoint
     recorder: Optional[Recorder] = None
+    # TransformerEngine's calibration: with `enabled` False the modules compute in high precision and record their
+    # forward amaxes in `state`; either way the scope's exit reduces them and updates the scales, also without grad
+    calibrating: bool = False
     # keys opened by nested scopes of another (recipe, group) while this outermost owning scope is open:
     # siblings with the same key share them, and they are closed when this scope exits (e.g. the expert
     # scope of every MoE layer of one pass: one key, one collective per direction, not one per layer)
@@ -199,20 +202,21 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _owned_or_companion_scope(recipe: Recipe, group: Optional[dist.ProcessGroup], training: bool) -> _Scope:
+def _owned_or_companion_scope(recipe: Recipe, group: Optional[dist.ProcessGroup], training: bool,
+                              enabled: bool = True, calibrating: bool = False) -> _Scope:
     """A scope with a new key. Inside an outermost owning scope the key belongs to that scope (shared by later
     scopes with the same key within it, closed when it exits); otherwise this scope owns and closes it."""
     anchor = next((s for s in _SCOPE_STACK if s.owns_state and s.recorder is None), None)
     if anchor is not None:
         for c in anchor.companions:
             if c.recipe == recipe and c.group is group and c.training == training:
-                return _Scope(True, recipe, group, c.state, False, training)
+                return _Scope(enabled, recipe, group, c.state, False, training, calibrating=calibrating)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     state = KeyState(recipe, group, device)
     if anchor is None:
-        return _Scope(True, recipe, group, state, True, training)
-    anchor.companions.append(_Scope(True, recipe, group, state, False, training))
-    return _Scope(True, recipe, group, state, False, training)
+        return _Scope(enabled, recipe, group, state, True, training, calibrating=calibrating)
+    anchor.companions.append(_Scope(enabled, recipe, group, state, False, training, calibrating=calibrating))
+    return _Scope(enabled, recipe, group, state, False, training, calibrating=calibrating)
 
 
 class autocast:
@@ -222,8 +226,11 @@ class autocast:
 
     Args:
         enabled: False runs the enclosed FP8 modules in high precision (also inside an FP8 scope).
-        calibrating: only False: TransformerEngine's calibration mode (amaxes recorded while computing in
-            high precision) is not implemented.
+        calibrating: TransformerEngine's calibration mode. With `enabled=False` the FP8 modules inside compute
+            in high precision and record the amaxes of their forward inputs and weights; with either value of
+            `enabled` the scope's exit reduces those amaxes and updates the delayed-scaling scales, also under
+            `torch.no_grad()` (where an FP8 inference scope updates nothing). A later FP8 scope casts with
+            the calibrated scales. With current scaling there is nothing to calibrate.
         recipe: `DelayedScaling` (default) or `CurrentScaling` from `fp8_parallel.recipe`.
         amax_reduction_group: the amax reduction group. Default: the dense amax domain of `parallel_state`
             when initialized, else the world group when torch.distributed is initialized, else no reduction.
@@ -236,7 +243,6 @@ class autocast:
     other scope is reduced when its own scope exits. An instance can be entered only once at a time.
 
     Raises:
-        NotImplementedError: `calibrating=True`.
         TypeError: a recipe that is not one of ours (e.g. TransformerEngine's own), a recipe passed where
             `enabled` or `calibrating` goes, or a group that is not a ProcessGroup.
         ValueError: both `amax_reduction_group` and `group`.
@@ -258,12 +264,6 @@ class autocast:
                                 f"recipe=...")
             if value is not None and not isinstance(value, (bool, int)):
                 raise TypeError(f"autocast({name}={value!r}): expected a bool")
-        if calibrating:
-            raise NotImplementedError(
-                "autocast(calibrating=True) is not supported: fp8_parallel has no calibration mode (amaxes "
-                "recorded while computing in high precision). Use enabled=False for high precision, or "
-                "enabled=True to compute in FP8 (amaxes are recorded then)."
-            )
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(
                 f"autocast(recipe={recipe!r}): expected a recipe from fp8_parallel.recipe (DelayedScaling or "
@@ -276,7 +276,9 @@ class autocast:
             raise TypeError(f"autocast(amax_reduction_group={group!r}): expected a torch.distributed ProcessGroup "
                             "or None")
         self.enabled = bool(enabled)
-        self.recipe = (recipe if recipe is not None else DelayedScaling()) if self.enabled else None
+        self.calibrating = bool(calibrating)
+        keyed = self.enabled or self.calibrating
+        self.recipe = (recipe if recipe is not None else DelayedScaling()) if keyed else None
         if self.recipe is not None:
             snapshot(self.recipe)  # a field set to a refused value is named here (checked only after a change)
         self.group = group
@@ -292,7 +294,10 @@ class autocast:
             raise RuntimeError("this fp8_parallel.autocast instance is already active; create a new one")
         grad = _training_forward()
         recorder = _SCOPE_STACK[-1].recorder if _SCOPE_STACK else None
-        if not self.enabled:
+        if self.calibrating and recorder is None:  # its own key, reduced and updated at exit even without grad
+            group = self.group if self.group is not None else _default_group()
+            scope = _owned_or_companion_scope(snapshot(self.recipe), group, True, self.enabled, True)
+        elif not self.enabled:
             scope = _Scope(False, None, None, None, False, grad, recorder)
         else:
             recipe = snapshot(self.recipe)  # the recipe as it is at entry: later assignments to it start a new key

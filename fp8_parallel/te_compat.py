@@ -84,14 +84,14 @@ def fp8_autocast(
     fp8_recipe: Optional[Recipe] = None,
     fp8_group: Optional[dist.ProcessGroup] = None,
 ) -> autocast:
-    """TransformerEngine's `fp8_autocast`: `autocast(enabled=enabled, recipe=fp8_recipe, group=fp8_group)`.
+    """TransformerEngine's `fp8_autocast`: `autocast(enabled, calibrating, recipe=fp8_recipe, group=fp8_group)`.
 
     Unlike TransformerEngine, `enabled=True` also works without an FP8-capable GPU (see `is_fp8_available`).
 
     Args:
         enabled: run the FP8 modules inside in FP8 (False or None: high precision).
-        calibrating: only False. TransformerEngine's calibration mode (record amaxes while computing in
-            high precision) is not implemented.
+        calibrating: TransformerEngine's calibration mode (see `autocast`): amaxes recorded while computing
+            in high precision (with `enabled=False`), the scales updated at exit.
         fp8_recipe: `recipe.DelayedScaling` (default) or `recipe.Float8CurrentScaling`, from
             `fp8_parallel.recipe`.
         fp8_group: the amax reduction group. None: the dense amax domain of `parallel_state` when it is
@@ -99,7 +99,6 @@ def fp8_autocast(
             world group).
 
     Raises:
-        NotImplementedError: `calibrating=True`.
         TypeError: a recipe that is not one of ours (e.g. TransformerEngine's own), a recipe passed as the
             first or second positional argument (those are `enabled` and `calibrating`), or a group that is
             not a ProcessGroup.
@@ -116,12 +115,6 @@ def fp8_autocast(
             f"fp8_autocast(enabled, calibrating={calibrating!r}): the second positional argument is "
             "`calibrating`; pass the recipe as fp8_recipe=..."
         )
-    if calibrating:
-        raise NotImplementedError(
-            "fp8_autocast(calibrating=True) is not supported: fp8_parallel has no calibration mode (amaxes "
-            "recorded while computing in high precision). Use enabled=False for high precision, or "
-            "enabled=True to compute in FP8 (amaxes are recorded then)."
-        )
     if fp8_recipe is not None and not isinstance(fp8_recipe, Recipe):
         raise TypeError(
             f"fp8_autocast(fp8_recipe={fp8_recipe!r}): expected a recipe from fp8_parallel.recipe "
@@ -129,7 +122,8 @@ def fp8_autocast(
         )
     if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
         raise TypeError(f"fp8_autocast(fp8_group={fp8_group!r}): expected a torch.distributed ProcessGroup or None")
-    return autocast(enabled=bool(enabled), recipe=fp8_recipe, amax_reduction_group=fp8_group)
+    return autocast(enabled=bool(enabled), calibrating=bool(calibrating), recipe=fp8_recipe,
+                    amax_reduction_group=fp8_group)
 
 
 @contextlib.contextmanager

@@ -184,6 +184,22 @@ def _plan(state: FP8State) -> Optional[_Plan]:
     return plan
 
 
+def record_calibration_amaxes(state: FP8State, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """In a calibrating scope that computes in high precision (`autocast(enabled=False, calibrating=True)`),
+    the amaxes of this call's input and weight go into the scope's forward slots of `state`, as an FP8 call's
+    casts would record them; the scope's exit reduces them and updates the scales. Elsewhere: nothing."""
+    scope = current_scope()
+    if scope is None or not scope.calibrating or scope.enabled or isinstance(scope.recipe, CurrentScaling):
+        return
+    state.prepare(scope.recipe)
+    buffer, index = scope.state.forward.slot_address(state.fwd)
+    w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
+    with torch.no_grad():
+        slots = buffer[index : index + 2]
+        torch.maximum(slots, torch.stack([_amax(x).float(), _amax(w).float()]), out=slots)
+    state.scales_known = True
+
+
 def _note_scales_source(state: FP8State, region) -> None:
     """First delayed-scaling calls of a state without scales: a training forward gives it scales (its scope
     reduces the amaxes and updates them at exit); an inference call (grad disabled, not a reentrant
@@ -685,6 +701,7 @@ def fp8_linear(
     `wgrad_store` the delayed computation keeps the float32 gradient (the high-precision path adds it itself)
     and its `backward_dw` adds it, so delaying changes no bit of `main_grad` on the paths both take.
     """
+    record_calibration_amaxes(state, x, weight)
     plan = _plan(state)
     into = fuse_wgrad_accumulation  # with `wgrad_store`: its delayed computation yields float32 (see above)
     fp8_gather = (

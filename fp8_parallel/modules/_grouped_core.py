@@ -107,6 +107,8 @@ def _grouped_path(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
     the FP8 scope (and for "bf16" on the input having rows), never on routing under FP8."""
     scope = current_scope()
     fp8 = scope is not None and scope.enabled
+    if scope is not None and scope.calibrating and not fp8:  # each expert records its amaxes (`fp8_linear`)
+        return None
     if fp8:
         served = device_has_grouped_gemm(x.device)
     else:

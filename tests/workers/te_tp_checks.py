@@ -278,6 +278,27 @@ def check_current_scaling_quantizer_amax_reduction():
     sinvs = _gather(reduced._scale_inv.reshape(1, 1), 0).flatten()
     assert torch.equal(sinvs[0], sinvs[1]) and not torch.equal(amaxes[0], amaxes[1]), (sinvs, amaxes)
 
+def check_calibration_reduces_amaxes_over_the_group():
+    """`fp8_autocast(enabled=False, calibrating=True, fp8_group=world)` under no_grad: each rank's outputs are its
+    own high-precision ones, and after exit every rank holds the scales of the group's largest amaxes (rank 1's
+    inputs four times larger, the weights identical); with no group given (world size 2 here: the world
+    group by default as well) the same."""
+    rank = dist.get_rank()
+    torch.manual_seed(test_seed())  # the same weights on both ranks
+    lin = te.Linear(32, 16, params_dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(test_seed() + 17 * rank)
+    x = torch.randn(8, 32, generator=gen) * (1e-3 * (1 + 3 * rank))
+    with torch.no_grad(), te.fp8_autocast(enabled=False, calibrating=True, fp8_group=dist.group.WORLD):
+        y = lin(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias)), rank
+    amax_x = _gather(x.abs().max().reshape(1, 1), 0).flatten()
+    assert not torch.equal(amax_x[0], amax_x[1]), amax_x
+    want = torch.stack([448.0 / amax_x.max(), 448.0 / lin.weight.detach().abs().max()])
+    torch.testing.assert_close(lin.fp8.fwd.scale[:2], want, rtol=1e-6, atol=0, msg=f"rank {rank}")
+    scales = _gather(lin.fp8.fwd.scale[:2].reshape(1, 2), 0)
+    assert torch.equal(scales[0], scales[1]), (rank, scales)
+
+
 # ---- MultiheadAttention / TransformerLayer at TP2 (`te_tp_checks.py layers`, tests/test_te_tp_layers.py) ----
 # Each TP2 module (set_parallel_mode=True) gets the shards of a TP1 module's float32 parameters; both run on the
 # same data. High precision: output, input gradient and every parameter gradient (this rank's shard of the TP1
@@ -478,6 +499,7 @@ if __name__ == "__main__":
             ("tp_parameter_attributes", check_tp_parameter_attributes),
             ("autocast_amax_reduction_group", check_autocast_amax_reduction_group),
             ("current_scaling_quantizer_amax_reduction", check_current_scaling_quantizer_amax_reduction),
+            ("calibration_reduces_amaxes_over_the_group", check_calibration_reduces_amaxes_over_the_group),
             ("modules_tp2", check_modules_tp2),
         ])
     dist.destroy_process_group()

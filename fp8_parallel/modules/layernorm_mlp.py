@@ -22,6 +22,7 @@ from ._te_options import (add_bias, add_weight, check_input, check_te_options, i
                           resolve_dtype, weight_initializer)
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
+from ._te_fp8_meta import TEFP8Meta
 
 _LAYERNORM_MLP_OPTIONS = (
     "fuse_wgrad_accumulation", "seq_length", "micro_batch_size", "ub_overlap_ag", "ub_overlap_rs",
@@ -93,7 +94,7 @@ def _gated(activation: str) -> bool:
     return activation in _GATED or activation == "clamped_swiglu"
 
 
-class LayerNormMLP(ResetParameters, DelayedWgradMethods, torch.nn.Module):
+class LayerNormMLP(ResetParameters, DelayedWgradMethods, TEFP8Meta, torch.nn.Module):
     """Norm, fc1, activation, fc2: TransformerEngine's `LayerNormMLP`.
 
     Args:
@@ -210,6 +211,9 @@ class LayerNormMLP(ResetParameters, DelayedWgradMethods, torch.nn.Module):
         out = fp8_linear(h, self.fc2_weight, fc2_bias, self.fc2_fp8, is_first_microbatch,
                          wgrad_store=self._wgrad_store("fc2_weight"), fuse_wgrad_accumulation=fuse2)
         return out, ln_out, total
+
+    def _fp8_gemm_states(self):  # `fp8_meta`: fc1 then fc2, as TE's GEMM1 / GEMM2
+        return [self.fc1_fp8, self.fc2_fp8]
 
     def forward(
         self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None

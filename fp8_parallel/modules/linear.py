@@ -21,6 +21,7 @@ from ._te_options import (
     resolve_dtype,
 )
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
+from ._te_fp8_meta import TEFP8Meta
 
 _LINEAR_OPTIONS = (
     "fuse_wgrad_accumulation", "parameters_split", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad",
@@ -28,7 +29,7 @@ _LINEAR_OPTIONS = (
 )
 
 
-class Linear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
+class Linear(ResetParameters, DelayedWgradMethods, TEFP8Meta, torch.nn.Module):
     """FP8 linear layer `y = x @ weight.T + bias`, TransformerEngine's `Linear`.
 
     Args:

@@ -20,6 +20,7 @@ from ._main_grad import accumulates_into_main_grad
 from ._te_options import (add_bias, add_weight, check_input, check_te_options, in_autocast_dtype, resolve_device,
                           resolve_dtype, weight_initializer)
 from ._tensor_parallel import TensorParallel, mark_partitioned
+from ._te_fp8_meta import TEFP8Meta
 
 # TransformerEngine's GroupedLinear options handled by `check_te_options` (accepted at their defaults, or
 # at any value where they change no result)
@@ -29,7 +30,7 @@ _GROUPED_OPTIONS = ("fuse_wgrad_accumulation", "ub_overlap_rs", "ub_overlap_ag",
 _SINGLE_PARAMETER_OPTIONS = ("single_grouped_weight", "single_grouped_bias")
 
 
-class GroupedLinear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
+class GroupedLinear(ResetParameters, DelayedWgradMethods, TEFP8Meta, torch.nn.Module):
     """`num_gemms` FP8 linears over consecutive row blocks of one input: rows `sum(m_splits[:i]) :
     sum(m_splits[:i+1])` of the input go through `y_i = x_i @ weight{i}.T + bias{i}`. TransformerEngine's
     `GroupedLinear`, as MoE layers use it for their experts.
@@ -135,6 +136,11 @@ class GroupedLinear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
 
     def _biases(self) -> List[Optional[torch.Tensor]]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    _fp8_meta_by_kind = True  # `fp8_meta`: every GEMM's input, then every weight, ... as in TE
+
+    def _fp8_gemm_states(self):
+        return list(self.fp8)
 
     def forward(
         self,

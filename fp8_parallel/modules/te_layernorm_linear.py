@@ -21,6 +21,7 @@ from ._te_options import (
 )
 from ._tensor_parallel import TensorParallel, mark_partitioned, mark_sequence_parallel
 from .norm import check_normalization, make_norm_parameters, normalize
+from ._te_fp8_meta import TEFP8Meta
 
 _LAYERNORM_LINEAR_OPTIONS = (
     "fuse_wgrad_accumulation", "parameters_split", "ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad",
@@ -28,7 +29,7 @@ _LAYERNORM_LINEAR_OPTIONS = (
 )
 
 
-class LayerNormLinear(ResetParameters, DelayedWgradMethods, torch.nn.Module):
+class LayerNormLinear(ResetParameters, DelayedWgradMethods, TEFP8Meta, torch.nn.Module):
     """`normalization(x) @ weight.T + bias`, TransformerEngine's `LayerNormLinear`.
 
     Args:

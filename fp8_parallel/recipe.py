@@ -44,6 +44,9 @@ amaxes (e.g. `lambda h: h.max(dim=0).values`). The modules store the history tra
 _ALGOS = ("max", "most_recent")
 
 
+
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")  # `backward_override` values, as in TransformerEngine
+
 class FormatMax(NamedTuple):
     """A `Format`'s value: the largest finite forward and backward values (TransformerEngine's layout)."""
 
@@ -196,11 +199,11 @@ def _check_common(recipe: Any) -> None:
                 f"{name}=True: FP8 attention is not implemented; attention runs in high precision and only the "
                 f"linear layers run in FP8. Leave {name}=False."
             )
-    if recipe.backward_override is not None:
-        raise NotImplementedError(
-            f"backward_override={recipe.backward_override!r} is not supported: the backward GEMMs run in FP8 "
-            "from the forward's FP8 operands. Leave it None (megatron's fp8_wgrad=False, on the parallel linears, "
-            "computes the weight gradient in high precision)."
+    if recipe.backward_override not in BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"backward_override={recipe.backward_override!r}: expected one of {BACKWARD_OVERRIDES} (None: the "
+            "backward GEMMs in FP8; 'high_precision': from the forward's high-precision input and weight; "
+            "'dequantized': from their FP8 casts, dequantized; the gradient in high precision in both)"
         )
 
 
@@ -226,7 +229,9 @@ class DelayedScaling(Recipe):
             returns.
         reduce_amax: all-reduce (MAX) amaxes over the scope's group before updating.
         fp8_dpa, fp8_mha: only False (no FP8 attention).
-        backward_override: only None.
+        backward_override: None (the backward GEMMs in FP8), "high_precision" (TransformerEngine's: input and
+            weight gradients from the forward's high-precision input and weight, with the high-precision
+            gradient) or "dequantized" (the same from their FP8 casts, dequantized).
     """
 
     margin: int = 0
@@ -280,7 +285,9 @@ class CurrentScaling(Recipe):
         fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMM options, only at TransformerEngine's
             defaults (fast accumulation forward, full float32 accumulation backward; see `MMParams`).
         fp8_dpa, fp8_mha: only False (no FP8 attention).
-        backward_override: only None.
+        backward_override: None (the backward GEMMs in FP8), "high_precision" (TransformerEngine's: input and
+            weight gradients from the forward's high-precision input and weight, with the high-precision
+            gradient) or "dequantized" (the same from their FP8 casts, dequantized).
         eps: lower bound of the amax (keeps an all-zero tensor's scale finite; TransformerEngine's
             `amax_epsilon` is 0 and treats a zero amax apart, with the same FP8 result: zeros).
     """

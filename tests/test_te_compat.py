@@ -173,7 +173,7 @@ def test_recipe_module_mirrors_te_names():
     (lambda: recipe.DelayedScaling(scaling_factor_compute_algo="x"), ValueError, "scaling_factor_compute_algo='x'"),
     (lambda: recipe.DelayedScaling(fp8_dpa=True), NotImplementedError, "fp8_dpa=True"),
     (lambda: recipe.Float8CurrentScaling(fp8_mha=True), NotImplementedError, "fp8_mha=True"),
-    (lambda: recipe.DelayedScaling(backward_override="high_precision"), NotImplementedError, "backward_override"),
+    (lambda: recipe.DelayedScaling(backward_override="bogus"), ValueError, "backward_override='bogus'"),
     (lambda: recipe.Float8CurrentScaling(use_power_2_scales=True), NotImplementedError, "use_power_2_scales"),
     (lambda: recipe.Float8CurrentScaling(fp8_gemm_fprop=recipe.MMParams(True)), NotImplementedError,
      "fp8_gemm_fprop=MMParams"),

@@ -595,6 +595,55 @@ class _FP8Linear(torch.autograd.Function):
         return (*grads, None, None)
 
 
+class _FP8ForwardHPBackward(torch.autograd.Function):
+    """The FP8 forward GEMM of `fp8_linear` with a high-precision backward, for a recipe's `backward_override`:
+    "high_precision" keeps the input and weight as they came, "dequantized" their FP8 casts dequantized; the
+    gradient is not cast (no backward amax is recorded). The input and weight gradients are GEMMs in the
+    input's dtype, the weight gradient accumulated in float32 (into `main_grad` with fused accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, options):
+        qweight, plan, override, into, wgrad_store = options
+        x2 = x.reshape(-1, x.shape[-1])
+        qx = _cast(x2, plan.recipe, _forward_scale(plan, FWD_INPUT), _forward_slot(plan, FWD_INPUT),
+                   plan.recipe.fp8_format.forward_dtype)
+        y = fp8_gemm(qx, qweight, out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype),
+                     use_fast_accum=True, pad=features_unaligned(weight))
+        if override == "dequantized":
+            x_keep, w_keep = qx.dequantize().to(x.dtype), qweight.dequantize().to(x.dtype)
+        else:
+            w_keep = weight.dequantize() if isinstance(weight, Float8Tensor) else weight.detach()
+            x_keep = x2.detach()
+        ctx.save_for_backward(x_keep, w_keep)
+        ctx.x_shape, ctx.w_dtype, ctx.has_bias = x.shape, weight.dtype, bias is not None
+        ctx.main_grad_of, ctx.wgrad_store = (weight if into else None), wgrad_store
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_keep, w_keep = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g2.to(x_keep.dtype) @ w_keep.to(x_keep.dtype)).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            into = ctx.main_grad_of
+            w_dtype = torch.float32 if into is not None else ctx.w_dtype
+
+            def compute_wgrad():
+                return (g2.t().float() @ x_keep.float()).to(w_dtype)
+            if ctx.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute
+                ctx.wgrad_store.put(compute_wgrad, g2.device.type)
+            else:
+                grad_w = compute_wgrad()
+                if into is not None:
+                    into.main_grad.add_(grad_w)
+                    grad_w = grad_after_main_grad(into)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(ctx.w_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
 class _NativeFP8Linear(torch.autograd.Function):
     """`_FP8Linear` for its common call (see `_native_linear`): forward and backward one compiled call each,
     computing the same bytes with the same GEMMs; the scope bookkeeping stays in Python. `qweight`: the cached
@@ -704,6 +753,12 @@ def fp8_linear(
     record_calibration_amaxes(state, x, weight)
     plan = _plan(state)
     into = fuse_wgrad_accumulation  # with `wgrad_store`: its delayed computation yields float32 (see above)
+    override = plan.recipe.backward_override if plan is not None else None
+    if override is not None:  # FP8 forward, high-precision backward (TransformerEngine's `backward_override`)
+        if sp_group is not None:
+            x = hp_gather(x)
+        qweight = cast_weight(weight, state, plan, is_first_microbatch)
+        return _FP8ForwardHPBackward.apply(x, weight, bias, (qweight, plan, override, into, wgrad_store))
     fp8_gather = (
         sp_group is not None and plan is not None and plan.forward_scale is not None and wgrad_in_fp8
         and plan.key_state is not None and scales_shared_over(plan.key_state.group, sp_group)

@@ -109,6 +109,8 @@ def _grouped_path(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
     fp8 = scope is not None and scope.enabled
     if scope is not None and scope.calibrating and not fp8:  # each expert records its amaxes (`fp8_linear`)
         return None
+    if fp8 and scope.recipe.backward_override is not None:  # per expert: `fp8_linear`'s high-precision backward
+        return None
     if fp8:
         served = device_has_grouped_gemm(x.device)
     else:

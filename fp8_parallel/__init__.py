@@ -43,6 +43,7 @@ from .tensor import Float8Tensor
 _LAZY = {
     "megatron": None,
     "pipeline": None,
+    "distributed": None,  # TransformerEngine's `transformer_engine.pytorch.distributed` names
     "ColumnParallelLinear": ".modules",
     "RowParallelLinear": ".modules",
     "LayerNormColumnParallelLinear": ".modules",

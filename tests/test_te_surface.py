@@ -488,7 +488,7 @@ def test_tensor_parallel_modules_tp2():
     launch("te_tp_checks.py", 2, timeout=600,
            expect_checks=["tp_parameter_attributes", "autocast_amax_reduction_group",
                           "current_scaling_quantizer_amax_reduction", "calibration_reduces_amaxes_over_the_group",
-                          "modules_tp2"])
+                          "distributed_gather_along_first_dim", "modules_tp2"])
 
 
 # ---- make_graphed_callables: 2.x names -------------------------------------------------------------------------

@@ -62,6 +62,10 @@ class RegionRecord:
     def add(self, state: torch.nn.Module, snapshot: Optional[Snapshot]) -> None:
         self._calls.setdefault(state, []).append(snapshot)
 
+    def has_fp8_calls(self) -> bool:
+        """Whether the first pass made any FP8 call."""
+        return any(snap is not None for calls in self._calls.values() for snap in calls)
+
     def replay(self, state: torch.nn.Module, recompute_pass: Any) -> Optional[Snapshot]:
         """The next recorded decision of `state` in this recompute pass; None (high precision) when the first
         pass made no such call."""
@@ -97,6 +101,11 @@ class Region:
             record = RegionRecord()
             setattr(self.holder, _RECORD_ATTR, record)
         record.add(state, snapshot)
+
+    def first_pass_ran_fp8(self) -> bool:
+        """Recompute: whether the first pass made FP8 calls (it runs outside the autocast scope it had)."""
+        record = getattr(self.holder, _RECORD_ATTR, None)
+        return record is not None and record.has_fp8_calls()
 
     def replay(self, state: torch.nn.Module) -> Optional[Snapshot]:
         """Recompute: the matching first-pass decision (None: high precision)."""

@@ -299,6 +299,22 @@ def check_calibration_reduces_amaxes_over_the_group():
     assert torch.equal(scales[0], scales[1]), (rank, scales)
 
 
+def check_distributed_gather_along_first_dim():
+    """`fp8_parallel.distributed.gather_along_first_dim` (TE's signature): the ranks' tensors stacked along the
+    first dimension in rank order, synchronously and with `async_op` (its handle waited on)."""
+    from fp8_parallel import distributed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+    want = torch.cat([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r for r in range(world)])
+    out, handle = distributed.gather_along_first_dim(mine, None)
+    assert handle is None and torch.equal(out, want), (rank, out)
+    out, handle = distributed.gather_along_first_dim(mine.t(), dist.group.WORLD, async_op=True)  # non-contiguous
+    handle.wait()
+    assert torch.equal(out, torch.cat([want[2 * r: 2 * r + 2].t() for r in range(world)])), (rank, out)
+    assert distributed.get_distributed_world_size() == world
+
+
 # ---- MultiheadAttention / TransformerLayer at TP2 (`te_tp_checks.py layers`, tests/test_te_tp_layers.py) ----
 # Each TP2 module (set_parallel_mode=True) gets the shards of a TP1 module's float32 parameters; both run on the
 # same data. High precision: output, input gradient and every parameter gradient (this rank's shard of the TP1
@@ -500,6 +516,7 @@ if __name__ == "__main__":
             ("autocast_amax_reduction_group", check_autocast_amax_reduction_group),
             ("current_scaling_quantizer_amax_reduction", check_current_scaling_quantizer_amax_reduction),
             ("calibration_reduces_amaxes_over_the_group", check_calibration_reduces_amaxes_over_the_group),
+            ("distributed_gather_along_first_dim", check_distributed_gather_along_first_dim),
             ("modules_tp2", check_modules_tp2),
         ])
     dist.destroy_process_group()

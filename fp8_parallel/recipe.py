@@ -367,6 +367,8 @@ def snapshot(recipe: Recipe) -> Recipe:
     Raises:
         ValueError / NotImplementedError: a field was set to a value the recipe refuses (naming it).
     """
+    if isinstance(recipe, _UnavailableRecipe):
+        recipe.validate()  # raises, naming the recipe
     values = tuple(getattr(recipe, f.name) for f in dataclasses.fields(recipe))
     cached = recipe.__dict__.get(_SNAPSHOT)
     if cached is not None and _same_values(cached[0], values):
@@ -384,27 +386,69 @@ def _same_values(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y or (not callable(x) and type(x) is type(y) and x == y) for x, y in zip(a, b))
 
 
-class _NotImplementedRecipe(Recipe):
-    """A TransformerEngine recipe name that is not implemented here: constructing it raises."""
+class _UnavailableRecipe(Recipe):
+    """A TransformerEngine recipe this package does not implement. It is constructed with TransformerEngine's
+    arguments (kept, and readable as attributes), as TE constructs it on a GPU that lacks the format (MXFP8
+    on Hopper), and it is refused where it would be used: an autocast scope (or anything else that takes a
+    recipe) raises NotImplementedError naming it and what to use."""
+
+    format_name = "this format"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.options = args, dict(kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.options.items()]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def validate(self) -> None:
         raise NotImplementedError(
-            f"{type(self).__name__} is not implemented in fp8_parallel: only per-tensor FP8 scaling is. "
-            "Use recipe.DelayedScaling() or recipe.Float8CurrentScaling()."
+            f"{type(self).__name__}: {self.format_name} is not implemented in fp8_parallel (only per-tensor FP8 "
+            "scaling is). Use recipe.DelayedScaling() or recipe.Float8CurrentScaling()."
         )
 
 
-class MXFP8BlockScaling(_NotImplementedRecipe):
-    """Not implemented (MXFP8, 32-element blocks): constructing it raises and names what to use."""
+class MXFP8BlockScaling(_UnavailableRecipe):
+    """Not implemented (MXFP8, 32-element blocks): constructed as in TE, refused when used."""
+
+    format_name = "MXFP8 (32-element block scales)"
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return True
 
 
-class Float8BlockScaling(_NotImplementedRecipe):
-    """Not implemented (block-scaled FP8): constructing it raises and names what to use."""
+class Float8BlockScaling(_UnavailableRecipe):
+    """Not implemented (block-scaled FP8): constructed as in TE, refused when used."""
+
+    format_name = "block-scaled FP8"
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return True
 
 
-class NVFP4BlockScaling(_NotImplementedRecipe):
-    """Not implemented (NVFP4): constructing it raises and names what to use."""
+class NVFP4BlockScaling(_UnavailableRecipe):
+    """Not implemented (NVFP4): constructed as in TE, refused when used."""
+
+    format_name = "NVFP4"
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return True
 
 
-class CustomRecipe(_NotImplementedRecipe):
-    """Not implemented (custom quantizers): constructing it raises and names what to use."""
+class CustomRecipe(_UnavailableRecipe):
+    """Not implemented (custom quantizers): constructed as in TE, refused when used."""
+
+    format_name = "a custom quantizer recipe"
+
+    @classmethod
+    def custom(cls) -> bool:
+        return True

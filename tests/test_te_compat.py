@@ -181,9 +181,12 @@ def test_recipe_module_mirrors_te_names():
     (lambda: recipe.DelayedScaling(margin=-1), ValueError, "margin=-1"),
     (lambda: recipe.DelayedScaling(amax_compute_algo="mean"), ValueError, "amax_compute_algo='mean'"),
     (lambda: recipe.DelayedScaling(reduce_amax="yes"), ValueError, "reduce_amax='yes'"),
-    (lambda: recipe.MXFP8BlockScaling(), NotImplementedError, "MXFP8BlockScaling.*DelayedScaling"),
-    (lambda: recipe.Float8BlockScaling(), NotImplementedError, "Float8BlockScaling.*Float8CurrentScaling"),
-    (lambda: recipe.NVFP4BlockScaling(), NotImplementedError, "NVFP4BlockScaling"),
+    # TE's block-scaled recipes are constructed as TE does on a GPU without them, and refused where used
+    (lambda: te.autocast(recipe=recipe.MXFP8BlockScaling()), NotImplementedError, "MXFP8BlockScaling.*DelayedScaling"),
+    (lambda: te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling(x_block_scaling_dim=1)), NotImplementedError,
+     "Float8BlockScaling.*Float8CurrentScaling"),
+    (lambda: te.autocast(enabled=False, calibrating=True, recipe=recipe.NVFP4BlockScaling()), NotImplementedError,
+     "NVFP4BlockScaling"),
 ])
 def test_recipes_refuse_unsupported_values_by_name(make, error, match):
     with pytest.raises(error, match=match):
@@ -581,3 +584,16 @@ def test_gpu_is_fp8_available_on_hopper():
     ok, reason = te.is_fp8_available()
     if torch.cuda.get_device_capability() >= (9, 0):
         assert ok and reason == "", reason
+
+
+def test_block_scaled_recipes_construct_as_in_te_and_say_what_they_are():
+    """TE's fp8_primer builds `MXFP8BlockScaling(fp8_format=Format.E4M3)` before it checks availability: the
+    objects exist, keep their arguments and answer TE's predicates; using one raises (above)."""
+    mx = recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3)
+    assert mx.fp8_format is recipe.Format.E4M3 and mx.mxfp8() and not mx.delayed() and not mx.float8_block_scaling()
+    assert recipe.Float8BlockScaling().float8_block_scaling() and recipe.NVFP4BlockScaling().nvfp4()
+    assert recipe.CustomRecipe(qfactory=None).custom()
+    assert repr(mx).startswith("MXFP8BlockScaling(fp8_format="), repr(mx)
+    with pytest.raises(AttributeError, match="margin"):
+        mx.margin  # not given: TE's defaults are not invented here
+    assert not te.is_mxfp8_available()[0]

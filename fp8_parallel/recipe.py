@@ -386,6 +386,11 @@ def _same_values(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y or (not callable(x) and type(x) is type(y) and x == y) for x, y in zip(a, b))
 
 
+def _answers(name: str) -> classmethod:
+    """TE's predicate `name` for an unavailable recipe: True for the class whose `predicate` it is."""
+    return classmethod(lambda cls: cls.predicate == name)
+
+
 class _UnavailableRecipe(Recipe):
     """A TransformerEngine recipe this package does not implement. It is constructed with TransformerEngine's
     arguments (kept, and readable as attributes), as TE constructs it on a GPU that lacks the format (MXFP8
@@ -393,9 +398,15 @@ class _UnavailableRecipe(Recipe):
     recipe) raises NotImplementedError naming it and what to use."""
 
     format_name = "this format"
+    predicate = ""  # the one of TE's predicates (`mxfp8`, ...) that answers True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args, self.options = args, dict(kwargs)
+
+    float8_block_scaling = _answers("float8_block_scaling")
+    mxfp8 = _answers("mxfp8")
+    nvfp4 = _answers("nvfp4")
+    custom = _answers("custom")
 
     def __getattr__(self, name: str) -> Any:
         options = self.__dict__.get("options", {})
@@ -417,38 +428,22 @@ class _UnavailableRecipe(Recipe):
 class MXFP8BlockScaling(_UnavailableRecipe):
     """Not implemented (MXFP8, 32-element blocks): constructed as in TE, refused when used."""
 
-    format_name = "MXFP8 (32-element block scales)"
-
-    @classmethod
-    def mxfp8(cls) -> bool:
-        return True
+    format_name, predicate = "MXFP8 (32-element block scales)", "mxfp8"
 
 
 class Float8BlockScaling(_UnavailableRecipe):
     """Not implemented (block-scaled FP8): constructed as in TE, refused when used."""
 
-    format_name = "block-scaled FP8"
-
-    @classmethod
-    def float8_block_scaling(cls) -> bool:
-        return True
+    format_name, predicate = "block-scaled FP8", "float8_block_scaling"
 
 
 class NVFP4BlockScaling(_UnavailableRecipe):
     """Not implemented (NVFP4): constructed as in TE, refused when used."""
 
-    format_name = "NVFP4"
-
-    @classmethod
-    def nvfp4(cls) -> bool:
-        return True
+    format_name, predicate = "NVFP4", "nvfp4"
 
 
 class CustomRecipe(_UnavailableRecipe):
     """Not implemented (custom quantizers): constructed as in TE, refused when used."""
 
-    format_name = "a custom quantizer recipe"
-
-    @classmethod
-    def custom(cls) -> bool:
-        return True
+    format_name, predicate = "a custom quantizer recipe", "custom"

@@ -512,6 +512,21 @@ def linear_operands(rec, x, weight, qweight: Float8Tensor, state: FP8State, plan
 SAVED_PER_LINEAR = 9  # tensors `linear_operands` returns for saving, per linear
 
 
+def _weight_gradient(compute: Callable[[], torch.Tensor], into: Optional[torch.Tensor],
+                     wgrad_store: Optional[WgradStore], device_type: str) -> Optional[torch.Tensor]:
+    """What backward returns for the weight: `compute()`'s gradient, or with fused accumulation (`into`, the
+    weight) that gradient added into its `main_grad` and megatron's placeholder; None when `wgrad_store`
+    delays it (TransformerEngine's delay_wgrad_compute: run by backward_dw())."""
+    if wgrad_store is not None:
+        wgrad_store.put(compute, device_type)
+        return None
+    grad_w = compute()
+    if into is not None:
+        into.main_grad.add_(grad_w)
+        grad_w = grad_after_main_grad(into)
+    return grad_w
+
+
 def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad, grad_cast=None):
     """One FP8 linear's backward from `linear_operands`' record and saved tensors: `(grad_x, grad_w,
     grad_b)` for `needs_input_grad` (x, weight, bias). `grad_cast`: `(qg, its transpose or None)`, grad_out
@@ -551,13 +566,7 @@ def linear_backward(rec, saved, grad_out: torch.Tensor, needs_input_grad, grad_c
         else:
             def compute_wgrad():
                 return (g2.t().float() @ hp_x.float()).to(w_dtype)
-        if rec.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute: run by backward_dw()
-            rec.wgrad_store.put(compute_wgrad, g2.device.type)
-        else:
-            grad_w = compute_wgrad()
-            if into is not None:
-                into.main_grad.add_(grad_w)
-                grad_w = grad_after_main_grad(into)
+        grad_w = _weight_gradient(compute_wgrad, into, rec.wgrad_store, g2.device.type)
         del compute_wgrad
     if rec.has_bias and needs_input_grad[2]:
         grad_b = g2.sum(0).to(rec.w_dtype)
@@ -632,13 +641,7 @@ class _FP8ForwardHPBackward(torch.autograd.Function):
 
             def compute_wgrad():
                 return (g2.t().float() @ x_keep.float()).to(w_dtype)
-            if ctx.wgrad_store is not None:  # TransformerEngine's delay_wgrad_compute
-                ctx.wgrad_store.put(compute_wgrad, g2.device.type)
-            else:
-                grad_w = compute_wgrad()
-                if into is not None:
-                    into.main_grad.add_(grad_w)
-                    grad_w = grad_after_main_grad(into)
+            grad_w = _weight_gradient(compute_wgrad, into, ctx.wgrad_store, g2.device.type)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.w_dtype)
         return grad_x, grad_w, grad_b, None
@@ -750,7 +753,6 @@ def fp8_linear(
     `wgrad_store` the delayed computation keeps the float32 gradient (the high-precision path adds it itself)
     and its `backward_dw` adds it, so delaying changes no bit of `main_grad` on the paths both take.
     """
-    record_calibration_amaxes(state, x, weight)
     plan = _plan(state)
     into = fuse_wgrad_accumulation  # with `wgrad_store`: its delayed computation yields float32 (see above)
     override = plan.recipe.backward_override if plan is not None else None
@@ -766,6 +768,7 @@ def fp8_linear(
     if sp_group is not None and not fp8_gather:
         x = hp_gather(x)
     if plan is None:
+        record_calibration_amaxes(state, x, weight)  # (a calibrating scope only: amaxes of the gathered input)
         w = weight.dequantize() if isinstance(weight, Float8Tensor) else weight
         if wgrad_store is not None:
             return high_precision_linear(x, w, bias, wgrad_store, owner=weight if into else None)

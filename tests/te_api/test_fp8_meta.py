@@ -17,11 +17,16 @@ def _steps(module, inputs, grads, call=lambda m, x: m(x)):
         y.backward(g)
 
 
-def test_linear_fp8_meta_has_te_keys_and_history_layout():
-    seed = seed_for("fp8-meta-linear")
+def _seeded(name: str):
+    """The test's seed (printed), torch's generator seeded with it, and a generator for the data."""
+    seed = seed_for(name)
     print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    return seed, torch.Generator().manual_seed(seed)
+
+
+def test_linear_fp8_meta_has_te_keys_and_history_layout():
+    seed, gen = _seeded("fp8-meta-linear")
     lin = te.Linear(32, 16, params_dtype=torch.float32, device="cpu")
     xs = [torch.randn(8, 32, generator=gen) * (1 + i) for i in range(3)]
     gs = [torch.randn(8, 16, generator=gen) * (1 + i) for i in range(3)]
@@ -45,10 +50,7 @@ def test_linear_fp8_meta_has_te_keys_and_history_layout():
 
 
 def test_mlp_and_grouped_fp8_meta_index_the_gemms_as_te():
-    seed = seed_for("fp8-meta-mlp-grouped")
-    print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
+    seed, gen = _seeded("fp8-meta-mlp-grouped")
     mlp = te.LayerNormMLP(32, 64, params_dtype=torch.float32, device="cpu")
     _steps(mlp, [torch.randn(8, 32, generator=gen)], [torch.randn(8, 32, generator=gen)])
     fwd, bwd = mlp.fp8_meta["scaling_fwd"], mlp.fp8_meta["scaling_bwd"]

@@ -5,6 +5,9 @@ for every variant. FP8 + graphs is compared with FP8 off + graphs too: the same 
     python bench_e2e.py results.jsonl                       # 0.94B: 16 layers, hidden 2048, 16 heads,
                                                             # FFN 8192, vocab 32000, seq 2048, 2 x 4 microbatches
     python bench_e2e.py results.jsonl --layers 4 --hidden 1024 --heads 8 --ffn 4096   # a smaller run
+    python bench_e2e.py results.jsonl --preset llama-1b      # Llama-style 1B: RMSNorm, SwiGLU, RoPE, GQA 32/8,
+                                                            # no biases, vocab 128256
+    python bench_e2e.py results.jsonl --preset llama-8b-wide # Llama 3 8B widths, 4 layers
     python bench_e2e.py out.jsonl --device cpu --layers 2 --hidden 64 --heads 4 --ffn 256 --vocab 128 \
         --seq 64 --micro 2 --warmup 1 --steps 1                                       # CPU dry run
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --tp 2 --sp                  # TP2 + sequence parallel
@@ -71,6 +74,12 @@ class Size:
     experts: int = 0  # MoE: experts per layer (0: dense)
     topk: int = 2
     moe_ffn: int = 0
+    llama: bool = False  # Llama-style: RMSNorm, SwiGLU, rotary embeddings, no linear biases
+    groups: int = 0  # key/value heads (grouped-query attention; 0: as many as query heads)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.groups or self.heads
 
     @property
     def tokens(self) -> int:
@@ -81,14 +90,28 @@ class Size:
         (non-causal) attention score and context products, and the logits."""
         h, s = self.hidden, self.seq
         ffn = self.topk * self.moe_ffn if self.experts else self.ffn  # MoE: the experts a token is routed to
-        per_token_layer = 2 * (3 * h * h + h * h + 2 * h * ffn) + 2 * 2 * s * h
+        kv = h * self.kv_heads // self.heads  # grouped-query attention: smaller key / value projections
+        ffn_matrices = 3 if self.llama else 2  # SwiGLU: gate and up projections, then down
+        per_token_layer = 2 * (h * h + 2 * h * kv + h * h + ffn_matrices * h * ffn) + 2 * 2 * s * h
         per_token = self.layers * per_token_layer + 2 * h * self.vocab
         return 3.0 * per_token * self.tokens
 
     def describe(self) -> str:
         moe = f" moe{self.experts} top{self.topk} f{self.moe_ffn}" if self.experts else ""
-        return (f"L{self.layers} h{self.hidden} a{self.heads} f{self.ffn}{moe} v{self.vocab} s{self.seq} "
+        llama = f" llama g{self.kv_heads}" if self.llama else ""
+        return (f"L{self.layers} h{self.hidden} a{self.heads} f{self.ffn}{moe}{llama} v{self.vocab} s{self.seq} "
                 f"mb{self.mbs}x{self.micro}")
+
+
+# Models by name (`--preset`); the size flags given on the command line override a preset's.
+PRESETS: Dict[str, Dict[str, object]] = {
+    # the GPT that docs/benchmarks.md reports at 0.94B: LayerNorm, GELU, learned positions, linear biases
+    "gpt-0.94b": dict(layers=16, hidden=2048, heads=16, ffn=8192, vocab=32000),
+    # Llama 3.2 1B's shape: 16 layers, hidden 2048, 32 heads over 8 key/value heads, SwiGLU FFN 8192, vocab 128256
+    "llama-1b": dict(layers=16, hidden=2048, heads=32, groups=8, ffn=8192, vocab=128256, llama=True),
+    # Llama 3 8B's widths (hidden 4096, 32 heads over 8, FFN 14336, vocab 128256) with 4 of its 32 layers
+    "llama-8b-wide": dict(layers=4, hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, llama=True),
+}
 
 
 # -- models ---------------------------------------------------------------------------------------------------
@@ -125,6 +148,21 @@ class Knobs:
     foreach_ops: bool = False  # with ddp: megatron's multi-tensor fallbacks (grad norm, scale, copy) on foreach kernels
 
 
+def _llama_fields(size: Size) -> dict:
+    """TransformerConfig fields of a Llama-style model: RMSNorm, SwiGLU, grouped-query attention, no biases."""
+    import torch.nn.functional as F
+
+    if not size.llama:
+        return {}
+    return dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                num_query_groups=size.kv_heads)
+
+
+def _gpt_kwargs(size: Size) -> dict:
+    """GPTModel arguments beyond the config: rotary embeddings (Llama 3's base) for a Llama-style model."""
+    return dict(position_embedding_type="rope", rotary_base=500000) if size.llama else {}
+
+
 def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = Layout()):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -132,14 +170,15 @@ def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = L
         num_layers=size.layers, hidden_size=size.hidden, num_attention_heads=size.heads,
         ffn_hidden_size=size.ffn, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
         hidden_dropout=knobs.dropout, attention_dropout=knobs.dropout, use_cpu_initialization=device == "cpu",
-        # bias+GELU needs linear biases, which the MoE configuration has not
-        bias_activation_fusion=knobs.fusions and not size.experts, bias_dropout_fusion=knobs.fusions,
+        # bias+GELU needs linear biases, which the MoE configuration has not; SwiGLU's fusion needs none
+        bias_activation_fusion=knobs.fusions and (size.llama or not size.experts), bias_dropout_fusion=knobs.fusions,
         cross_entropy_loss_fusion=knobs.ce_fusion, cross_entropy_fusion_impl="native",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
         **(dict(num_moe_experts=size.experts, moe_router_topk=size.topk, moe_ffn_hidden_size=size.moe_ffn,
                 moe_token_dispatcher_type="alltoall", expert_model_parallel_size=layout.ep, add_bias_linear=False)
            if size.experts else {}),
+        **_llama_fields(size),
     )
     if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
         cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo = knobs.fp8_format, "delayed", 16, "max"
@@ -183,7 +222,7 @@ def _build_chunks(variant: str, size: Size, device: str, knobs: Knobs, layout: L
         stage = dict(vp_stage=v) if layout.vpp else {}
         gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_block_spec(cfg, vp_stage=v if layout.vpp else None,
                                                                                  **_moe_spec(size)),
-                       vocab_size=size.vocab, max_sequence_length=size.seq,
+                       vocab_size=size.vocab, max_sequence_length=size.seq, **_gpt_kwargs(size),
                        pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, **stage),
                        post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, **stage), **stage)
         chunks.append(Float16Module(cfg, gpt.to(device)))
@@ -203,7 +242,8 @@ def _build(variant: str, size: Size, device: str, knobs: Knobs, weights: Optiona
     torch.manual_seed(1234)  # host-side inits (megatron's learned position embeddings): as Megatron-LM seeds
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device == "cuda", force_reset_rng=True)
     spec = get_gpt_layer_local_spec() if variant == "local" else get_gpt_block_spec(cfg, **_moe_spec(size))
-    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab, max_sequence_length=size.seq)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab, max_sequence_length=size.seq,
+                   **_gpt_kwargs(size))
     model = Float16Module(cfg, gpt.to(device))
     if weights is not None:
         params = dict(gpt.named_parameters())
@@ -644,14 +684,28 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
                       f"spec's {base['loss']:.4f}: the variants may not share weights", flush=True)
 
 
+def _size(args) -> Size:
+    """The preset's model, with the size flags given on the command line in its place."""
+    model = dict(PRESETS[args.preset])
+    model.update({k: getattr(args, k) for k in ("layers", "hidden", "heads", "groups", "ffn", "vocab")
+                  if getattr(args, k) is not None})
+    return Size(model["layers"], model["hidden"], model["heads"], model["ffn"], model["vocab"], args.seq, args.mbs,
+                args.micro, args.experts, args.topk, args.moe_ffn or model["ffn"], bool(model.get("llama")),
+                model.get("groups", 0))
+
+
 def main(argv: List[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", nargs="?", default="bench_results.jsonl")
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt-0.94b",
+                   help="the model: " + "; ".join(f"{k}: {v}" for k, v in PRESETS.items())
+                        + " (the size flags below override it)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--groups", type=int, default=None, help="key/value heads (grouped-query attention)")
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--micro", type=int, default=4)
@@ -715,8 +769,7 @@ def main(argv: List[str]) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device (use --device cpu for a dry run)")
         return
-    size = Size(args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seq, args.mbs, args.micro,
-                args.experts, args.topk, args.moe_ffn or args.ffn)
+    size = _size(args)
 
     import parallel_state as ps
 

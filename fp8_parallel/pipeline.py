@@ -77,6 +77,16 @@ def layer_sample_kwargs(config, seq_length: int, micro_batch_size: int, device: 
     return {"hidden_states": hidden.requires_grad_()}
 
 
+def rotary_sample_kwargs(chunk, seq_length: int) -> dict:
+    """`rotary_pos_emb` of a megatron GPTModel with rotary position embeddings, as its forward passes it to every
+    layer (the frequencies of `seq_length` positions, this rank's part under context parallelism); {} for
+    other position embeddings."""
+    gpt = _unwrap(chunk)
+    if getattr(gpt, "position_embedding_type", None) != "rope" or getattr(gpt, "rotary_pos_emb", None) is None:
+        return {}
+    return {"rotary_pos_emb": gpt.rotary_pos_emb(seq_length)}
+
+
 class GraphedPipeline:
     """The graphed transformer layers of a rank's model chunks, and the forward-step adapter.
 
@@ -144,7 +154,8 @@ def graph_megatron_layers(
 
     One forward and one backward graph per (chunk, microbatch, layer), captured in the order megatron's
     schedule runs them on this rank (`capture_order`). Sample arguments come from `config`
-    (`layer_sample_kwargs`) plus `extra_sample_kwargs` (e.g. an `attention_mask` tensor, when the forward
+    (`layer_sample_kwargs`), the model's `rotary_pos_emb` when it uses rotary embeddings
+    (`rotary_sample_kwargs`), plus `extra_sample_kwargs` (e.g. an `attention_mask` tensor, when the forward
     step passes one). `fp8_recipe`: the recipe of the FP8 scope the forward step opens around the model
     (None: the layers are captured outside FP8; layers that open their own scope are recorded either way).
     Use the returned object's `forward_step(func)` as megatron's `forward_step_func`.
@@ -180,8 +191,9 @@ def graph_megatron_layers(
                           getattr(config, "microbatch_group_size_per_vp_stage", None))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     flat = [layer for ls in layers for layer in ls]
-    samples = [{**layer_sample_kwargs(config, seq_length, micro_batch_size, device), **(extra_sample_kwargs or {})}
-               for _ in range(len(flat) * num_microbatches)]
+    rotary = rotary_sample_kwargs(chunks[0], seq_length)
+    samples = [{**layer_sample_kwargs(config, seq_length, micro_batch_size, device), **rotary,
+                **(extra_sample_kwargs or {})} for _ in range(len(flat) * num_microbatches)]
     make_graphed_callables(
         flat, [()] * len(samples), sample_kwargs=samples, num_warmup_iters=num_warmup_iters,
         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe, fp8_weight_caching=fp8_weight_caching,

@@ -57,10 +57,13 @@ def _world_size_from_env() -> int:
 def _refuse_helper_process() -> None:
     """Refuse to start in a multiprocessing child of a torchrun rank: that is a helper process (megatron's
     checkpoint writer starts one with the spawn method) re-running the main script, whose code is not under
-    `if __name__ == "__main__":`. Joining the rank's rendezvous from there would hang both."""
+    `if __name__ == "__main__":`. Joining the rank's rendezvous from there would hang both.
+
+    Such a helper is caught while it bootstraps (multiprocessing's `_inheriting` flag, the one multiprocessing
+    itself checks before it starts a process); a rank that torchrun forked (`--start-method fork`) is not one."""
     import multiprocessing
 
-    if multiprocessing.current_process().name == "MainProcess" or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not getattr(multiprocessing.current_process(), "_inheriting", False) or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     raise RuntimeError(
         f"parallel_state.initialize called in process {multiprocessing.current_process().name!r}, a child "

@@ -56,6 +56,19 @@ def job_argv(flags: Iterable[str]) -> List[str]:
     return ["--preset", "none", *flags]
 
 
+FORKED_TORCHRUN = Path(__file__).resolve().parent / "torchrun_forked.py"
+
+
+def torchrun_command(gpus: bool = False, forked: bool = True) -> List[str]:
+    """The command that starts torchrun for a test's ranks: with CUDA hidden, torchrun with its ranks forked
+    from an agent that has imported torch and megatron-core once (`torchrun_forked.py`: a fraction of the CPU
+    time of N fresh interpreters); with GPUs, or `forked=False` (tests of what a user sees of torchrun and of
+    the job under it), `python -m torch.distributed.run`, one fresh interpreter per rank."""
+    if gpus or not forked:
+        return [sys.executable, "-m", "torch.distributed.run"]
+    return [sys.executable, str(FORKED_TORCHRUN)]
+
+
 def run_job_in_process(cwd: Path, flags: Iterable[str], env: Dict[str, str]) -> Tuple[int, str]:
     """`launch/pretrain_gpt.py`'s main as one rank, in this process: (exit status, stdout + stderr).
 
@@ -119,7 +132,8 @@ def launch(
 ) -> str:
     """Run `workers/<script>` under torchrun with `nproc` ranks; return its combined output.
 
-    CPU/gloo by default (GPUs hidden); `gpus=True` leaves the GPUs visible so workers pick NCCL.
+    CPU/gloo by default (GPUs hidden, ranks forked: `torchrun_command`); `gpus=True` leaves the GPUs visible so
+    workers pick NCCL.
 
     Raises AssertionError (with the output) on a non-zero exit, a timeout, or a missing check report.
     """
@@ -127,8 +141,8 @@ def launch(
     for attempt in range(3):  # a port taken between choosing it and torchrun binding it: choose another
         report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")
         full_env["FP8P_REPORT_DIR"] = report_dir
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               f"--master_port={_free_port()}", str(WORKERS / script), *args]
+        cmd = [*torchrun_command(gpus), f"--nproc_per_node={nproc}", "--nnodes=1", f"--master_port={_free_port()}",
+               str(WORKERS / script), *args]
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
         )

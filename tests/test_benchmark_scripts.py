@@ -25,3 +25,35 @@ def test_help_prints_usage_and_exits_0(script):
     assert proc.returncode == 0, f"{script} --help exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.lstrip().startswith("usage:"), proc.stdout[:500]
     assert "-h, --help" in proc.stdout
+
+
+def test_bench_e2e_llama_preset_runs_on_cpu_and_agrees_with_megatrons_spec(tmp_path):
+    """`bench_e2e.py --preset llama-1b` shrunk to CPU size: a Llama-style GPTModel (RMSNorm, SwiGLU, rotary
+    embeddings, grouped-query attention, no biases) builds from megatron's local spec and ours; FP8 + graphed
+    layers (the layers' samples include the model's rotary frequencies) starts from the local spec's loss (same
+    weights and data: FP8 rounding only)."""
+    import json
+
+    out = tmp_path / "e2e.jsonl"
+    argv = [sys.executable, "bench_e2e.py", str(out), "--device", "cpu", "--preset", "llama-1b", "--layers", "1",
+            "--hidden", "64", "--heads", "4", "--groups", "2", "--ffn", "128", "--vocab", "96", "--seq", "32",
+            "--micro", "2", "--warmup", "1", "--steps", "1", "--variants", "local,fp8_graphs"]
+    proc = subprocess.run(argv, cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "L1 h64 a4 f128 llama g2 v96" in proc.stdout, proc.stdout[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    loss = {r["case"]: r["value"] for r in rows if r["metric"] == "loss"}
+    (local,) = [v for case, v in loss.items() if case.endswith("megatron local spec BF16")]
+    (fp8,) = [v for case, v in loss.items() if case.endswith("our spec FP8 + graphs")]
+    assert abs(fp8 - local) < 0.02 * local, loss
+
+
+def test_bench_e2e_flops_count_grouped_query_attention_and_swiglu():
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_e2e import Size
+
+    gpt = Size(layers=2, hidden=64, heads=4, ffn=128, vocab=96, seq=32, mbs=1, micro=1)
+    gqa = Size(layers=2, hidden=64, heads=4, ffn=128, vocab=96, seq=32, mbs=1, micro=1, llama=True, groups=2)
+    # per token and layer: key / value projections 2 * 64 * 32 instead of 2 * 64 * 64; one more FFN matrix 64 x 128
+    per_layer = 2 * (-2 * 64 * 32 + 64 * 128)
+    assert gqa.model_flops() - gpt.model_flops() == 3.0 * 2 * per_layer * 32

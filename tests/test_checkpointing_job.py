@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from launcher import REPO, _free_port, child_env, job_argv
+from launcher import REPO, _free_port, child_env, job_argv, torchrun_command
 from seeds import session_seed
 from launch import checkpoint_files as cf
 
@@ -62,7 +61,8 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 
 def _start(tmp_path: Path, nproc: int, flags: List[str], restarts: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+    # a restart test kills a rank as a user's torchrun would see it: fresh interpreters; the rest forked ranks
+    cmd = [*torchrun_command(forked=restarts == 0), f"--nproc_per_node={nproc}", "--nnodes=1",
            f"--max-restarts={restarts}", f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path),
                             start_new_session=True, cwd=str(tmp_path))

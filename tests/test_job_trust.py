@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from launcher import REPO, _free_port, job_argv, run_job_in_process
+from launcher import REPO, _free_port, job_argv, run_job_in_process, torchrun_command
 
 JOB = REPO / "launch" / "pretrain_gpt.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -32,7 +32,7 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 
 def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[int] = 0,
-         file_size_limit: Optional[int] = None) -> Tuple[int, str]:
+         file_size_limit: Optional[int] = None, forked: bool = True) -> Tuple[int, str]:
     """Run the job; returns (exit status, output). More than one rank, or a `file_size_limit`: under torchrun.
     One rank: its entry point in this process (`run_job_in_process`, several times faster; the multi-rank
     tests here and the README's commands in test_docs run it under torchrun). `file_size_limit` (bytes):
@@ -46,7 +46,7 @@ def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[i
         if expect_rc is not None:
             assert rc == expect_rc, f"exit {rc}, expected {expect_rc}:\n{out[-8000:]}"
         return rc, out
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+    cmd = [*torchrun_command(forked=forked), f"--nproc_per_node={nproc}", "--nnodes=1",
            f"--master_port={_free_port()}", str(JOB), *job_argv(flags)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600,
                           preexec_fn=limit if file_size_limit else None)
@@ -60,11 +60,11 @@ def _refused(tmp_path: Path, flags: List[str], *needles: str, nproc: int = 1) ->
     """The job exits before training with one error line naming `needles` (exit status 2 from the rank).
 
     One rank: the job's entry point runs in this process (its checks all come before torch.distributed starts;
-    a run that got past them fails the test). More ranks: a real torchrun launch."""
+    a run that got past them fails the test). More ranks: `python -m torch.distributed.run` as a user runs it."""
     if nproc == 1:
         rc, out = _refused_in_process(tmp_path, flags)
     else:
-        rc, out = _job(tmp_path, flags, nproc=nproc, expect_rc=None)
+        rc, out = _job(tmp_path, flags, nproc=nproc, expect_rc=None, forked=False)
         # torchrun's failure summary names the error (the rank hands it over), not the elastic error docs
         assert f"traceback : {ERROR}" in out and "To enable traceback" not in out, out[-5000:]
     assert rc != 0, out[-5000:]
@@ -243,7 +243,7 @@ def test_usage_errors_come_once_from_rank_0(tmp_path):
     print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
     print(_refused(tmp_path, TINY + ["--global-batch-size", "4", "--max-position-embeddings", "8"], "--max-position-embeddings=8",
                    "--seq-length=16", nproc=2))
-    _, out = _job(tmp_path, ["--preset", "default", "--help"], nproc=2)
+    _, out = _job(tmp_path, ["--preset", "default", "--help"], nproc=2, forked=False)
     assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
     assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out
     flat = " ".join(out.split())
@@ -251,7 +251,7 @@ def test_usage_errors_come_once_from_rank_0(tmp_path):
     assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 2" in flat  # the preset's on 2 ranks
     assert "'gpu1': a GPT-2-small-sized" in flat and "this run: default" in flat
     assert "warnings: hiding" not in out and "Warning" not in out, out[-3000:]  # --help alone: no warnings
-    _, out = _job(tmp_path, ["--preset", "none", "--help"], nproc=2)
+    _, out = _job(tmp_path, ["--preset", "none", "--help"], nproc=2, forked=False)
     flat = " ".join(out.split())
     assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 1" in flat and "this run: none" in flat
 
@@ -267,13 +267,13 @@ def test_no_warnings_but_a_note_and_verbose_shows_them(tmp_path):
     ck = tmp_path / "ck"
     flags = TINY + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4",
                     "--train-iters", "2", "--save", str(ck)]
-    _, out = _job(tmp_path, flags + ["--exit-interval", "1"], nproc=2)
-    _, out2 = _job(tmp_path, flags, nproc=2)
+    _, out = _job(tmp_path, flags + ["--exit-interval", "1"], nproc=2, forked=False)
+    _, out2 = _job(tmp_path, flags, nproc=2, forked=False)
     assert "resuming from --save" in out2, out2[-3000:]
     for text in (out, out2):
         assert not _warnings(text), _warnings(text)
         assert text.count("warnings: hiding those expected from third-party code here (--verbose shows") == 1
-    _, out = _job(tmp_path, flags + ["--verbose", "--overwrite", "--train-iters", "1"], nproc=2)
+    _, out = _job(tmp_path, flags + ["--verbose", "--overwrite", "--train-iters", "1"], nproc=2, forked=False)
     shown = _warnings(out)
     from launch.pretrain_gpt import EXPECTED_WARNINGS
 

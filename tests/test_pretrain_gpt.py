@@ -12,7 +12,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from launcher import REPO, _free_port, child_env, job_argv
+from launcher import REPO, _free_port, child_env, job_argv, torchrun_command
 
 HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
 
@@ -28,8 +28,10 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 
 def _torchrun(tmp_path: Path, nproc: int, args: List[str], timeout: float = 900, expect_ok: bool = True,
-              rdzv: List[str] = (), launcher: List[str] = ()) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+              rdzv: List[str] = (), launcher: List[str] = (), forked: bool = True) -> str:
+    """The job under torchrun on CPU ranks (forked ranks unless `forked=False` or a rendezvous of its own:
+    `launcher.torchrun_command`); its output."""
+    cmd = [*torchrun_command(forked=forked and not rdzv), f"--nproc_per_node={nproc}",
            *(rdzv or ["--nnodes=1", f"--master_port={_free_port()}"]), *launcher, str(ENTRY), *job_argv(args)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
@@ -245,7 +247,8 @@ def test_invalid_sizes_are_named(argv, world, needle):
 def test_bad_input_exits_nonzero_fast_on_every_rank(tmp_path, argv, needle):
     """Checked before any collective: rank 0 says why, once, and exits 2; no hang. The other ranks stay silent
     (polling every 10 s shows they do not print while torchrun has not stopped them)."""
-    out = _torchrun(tmp_path, 4, argv, timeout=300, expect_ok=False, launcher=["--monitor-interval", "10"])
+    out = _torchrun(tmp_path, 4, argv, timeout=300, expect_ok=False, launcher=["--monitor-interval", "10"],
+                    forked=False)  # torchrun's summary, as a user sees it
     printed = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     summary = [line for line in out.splitlines() if "traceback : pretrain_gpt.py: error:" in line]
     assert len(printed) == 1 and needle in printed[0], out[-5000:]
@@ -474,7 +477,7 @@ def test_two_agents_join_through_c10d_rendezvous(tmp_path):
 def test_default_job_end_to_end(tmp_path):
     """The README's first command: no flags, 4 ranks, MoE GPT on TP2 x PP2 x EP2 with FP8; loss falls and a
     checkpoint is written. Slow (40 iterations, over a minute on 2 cores): run with `-m slow` (nightly)."""
-    out = _torchrun(tmp_path, 4, [], timeout=1500)
+    out = _torchrun(tmp_path, 4, [], timeout=1500, forked=False)  # as the README runs it
     assert "run (preset default): 4 ranks = TP2 x PP2" in out, out[-5000:]
     assert "tp 2 pp 2 vpp None cp 1 dp 1 ep 2 etp 1" in out and "experts 4; fp8 hybrid" in out, out[-5000:]
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]

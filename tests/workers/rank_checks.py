@@ -66,6 +66,10 @@ def exit_now(code: int = 0) -> None:
     worker threads during finalization, which at times aborts a rank whose checks all passed. The rank's
     multiprocessing children (megatron's checkpoint-writer manager) are stopped first, as finalization would
     have; they would otherwise outlive it and hold the launch's output open.
+
+    A rank that torchrun forked (`--start-method fork`) raises SystemExit instead: torchrun takes a 0 as the
+    script's return and then ends the process itself without finalization (an `os._exit` there would leave
+    torchrun waiting for that return).
     """
     import multiprocessing
 
@@ -74,4 +78,6 @@ def exit_now(code: int = 0) -> None:
         child.join(timeout=10)
     sys.stdout.flush()
     sys.stderr.flush()
+    if multiprocessing.current_process().name != "MainProcess" and "TORCHELASTIC_RUN_ID" in os.environ:
+        raise SystemExit(code)
     os._exit(code)

@@ -1,0 +1,71 @@
+"""torchrun, with ranks forked from a process that has already imported torch, megatron-core and fp8_parallel.
+
+    python tests/torchrun_forked.py [torchrun's options] SCRIPT [SCRIPT's arguments]
+
+This is torchrun itself (`torch.distributed.run`'s arguments, rendezvous and elastic agent) run with its own
+`--run-path --start-method fork`: each rank runs SCRIPT with `runpy.run_path` in a process forked from the
+agent, so no rank imports torch and megatron-core again (about 4 s of CPU per rank, most of a short multi-rank
+check on a 2-core machine). Ranks see what torchrun's ranks see (RANK, WORLD_SIZE, MASTER_ADDR, ...), SCRIPT's
+directory first on `sys.path`, and `__name__ == "__main__"`.
+
+The tests that check what a user sees of torchrun (the README's commands, usage errors, the launcher wrapper,
+a killed rank's restart) run the `torchrun` command itself; this is for the rest. CPU only: a forked process
+must not inherit a CUDA context, so CUDA must be hidden (the tests' `child_env` hides it).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from typing import List, Optional
+
+
+def _preimport(script: str) -> None:
+    """Import what the ranks will import, once, here; SCRIPT's directory goes first on `sys.path`."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in (repo, os.path.dirname(script)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    with warnings.catch_warnings():  # dropped here: a forked rank imports nothing again and never sees them
+        warnings.simplefilter("ignore")
+        _import_modules()
+
+
+def _import_modules() -> None:
+    import importlib.util
+
+    import torch.distributed  # noqa: F401
+
+    import fp8_parallel  # noqa: F401
+    from fp8_parallel.startup import import_megatron_core
+
+    if importlib.util.find_spec("megatron.core") is not None:
+        import_megatron_core()
+        import fp8_parallel.megatron  # noqa: F401
+        # the job's modules, which several checks run
+        import launch.train.arguments  # noqa: F401
+        import launch.train.loop  # noqa: F401
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from torch.distributed import run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = run.get_args_parser().parse_args(argv)
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":
+        raise SystemExit("torchrun_forked.py: CUDA must be hidden (CUDA_VISIBLE_DEVICES=''): ranks are forked")
+    script = os.path.abspath(args.training_script)
+    _preimport(script)
+    # a forked rank of a process with threads (the agent's store): the fork is safe here, the warning is noise
+    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
+    i = argv.index(args.training_script)
+    try:
+        run.main([*argv[:i], "--run-path", "--start-method", "fork", script, *argv[i + 1:]])
+    except Exception as err:  # a failed rank: torchrun's own traceback, as `python -m torch.distributed.run`'s
+        traceback.print_exception(type(err), err, err.__traceback__.tb_next)  # (without this wrapper's frame)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

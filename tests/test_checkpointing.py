@@ -8,13 +8,12 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launcher import WORKERS, _free_port, child_env, launch
+from launcher import WORKERS, _free_port, child_env, launch, torchrun_command
 from launch import checkpoint_files as cf
 
 HEAVY = pytest.mark.xdist_group("heavy")  # 4+ torchrun ranks: one at a time (--dist loadgroup)
@@ -172,7 +171,7 @@ KILL_RANKS = 2  # the kill test's layout is TP2 (checkpoint_checks.py KILL_OPTS)
 def _kill_save_at(root: Path, stage: str) -> None:
     """Run the save worker in `root` and SIGKILL every rank when the second save reaches `stage`."""
     env = child_env(FP8P_CHECKPOINT_TEST_PAUSE=f"{stage}:600")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={KILL_RANKS}", "--nnodes=1",
+    cmd = [*torchrun_command(), f"--nproc_per_node={KILL_RANKS}", "--nnodes=1",
            f"--master_port={_free_port()}", str(WORKERS / "checkpoint_checks.py"), "save", str(root)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

@@ -235,14 +235,16 @@ def test_checkpoint_write_fault_is_one_line_and_keeps_the_previous_checkpoint(tm
 
 
 def test_usage_errors_come_once_from_rank_0(tmp_path):
-    """On 2 ranks: a mistyped flag names the closest one, --max-position-embeddings below --seq-length is
-    named, each once (rank 0) with exit status 2 and no traceback from the job; --help prints once and shows
-    the new flags, the presets and the values a run of the chosen preset uses on these ranks."""
+    """On 2 ranks: a mistyped flag names the closest one, once (rank 0), with exit status 2 and no traceback
+    from the job (on one rank: an abbreviation is refused, --max-position-embeddings below --seq-length is
+    named); --help prints once and shows the new flags, the presets and the values a run of the chosen preset
+    uses on these ranks."""
     print(_refused(tmp_path, TINY + ["--num-layerz", "2"], "unrecognized arguments: --num-layerz",
                    "did you mean --num-layers?", nproc=2))
-    print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?", nproc=2))  # no abbreviations
+    # the same path on one rank (in this process): no abbreviations, a size conflict named
+    print(_refused(tmp_path, TINY + ["--num-layer", "2"], "did you mean --num-layers?"))
     print(_refused(tmp_path, TINY + ["--global-batch-size", "4", "--max-position-embeddings", "8"], "--max-position-embeddings=8",
-                   "--seq-length=16", nproc=2))
+                   "--seq-length=16"))
     _, out = _job(tmp_path, ["--preset", "default", "--help"], nproc=2, forked=False)
     assert out.count("usage: pretrain_gpt.py") == 1, out[-3000:]
     assert "--load-optional" in out and "--keep-last" in out and "--override-opt-param-scheduler" in out
@@ -251,7 +253,7 @@ def test_usage_errors_come_once_from_rank_0(tmp_path):
     assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 2" in flat  # the preset's on 2 ranks
     assert "'gpu1': a GPT-2-small-sized" in flat and "this run: default" in flat
     assert "warnings: hiding" not in out and "Warning" not in out, out[-3000:]  # --help alone: no warnings
-    _, out = _job(tmp_path, ["--preset", "none", "--help"], nproc=2, forked=False)
+    _, out = _job(tmp_path, ["--preset", "none", "--help"], nproc=2)
     flat = " ".join(out.split())
     assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE default: 1" in flat and "this run: none" in flat
 

@@ -19,7 +19,7 @@ FWD_MAX, BWD_MAX = 448.0, 57344.0  # HYBRID
 
 def _layer(seed: int) -> fp.Linear:
     torch.manual_seed(seed)
-    return fp.Linear(48, 32, params_dtype=torch.float32)
+    return fp.Linear(48, 32, params_dtype=torch.float32, device="cpu")  # (on a GPU machine it defaults to CUDA)
 
 
 def _step(lin: fp.Linear, r: recipe.DelayedScaling, seed: int) -> None:

@@ -49,7 +49,8 @@ def test_bench_e2e_llama_preset_runs_on_cpu_and_agrees_with_megatrons_spec(tmp_p
 
 
 def test_bench_e2e_flops_count_grouped_query_attention_and_swiglu():
-    sys.path.insert(0, str(BENCHMARKS))
+    if str(BENCHMARKS) not in sys.path:  # (bench_e2e puts it there itself when imported)
+        sys.path.insert(0, str(BENCHMARKS))
     from bench_e2e import Size
 
     gpt = Size(layers=2, hidden=64, heads=4, ffn=128, vocab=96, seq=32, mbs=1, micro=1)

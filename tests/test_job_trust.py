@@ -33,7 +33,8 @@ def _env(tmp_path: Path) -> Dict[str, str]:
 
 def _job(tmp_path: Path, flags: List[str], nproc: int = 1, expect_rc: Optional[int] = 0,
          file_size_limit: Optional[int] = None, forked: bool = True) -> Tuple[int, str]:
-    """Run the job; returns (exit status, output). More than one rank, or a `file_size_limit`: under torchrun.
+    """Run the job; returns (exit status, output). More than one rank, or a `file_size_limit`: under torchrun,
+    on forked ranks unless `forked=False` (`launcher.torchrun_command`).
     One rank: its entry point in this process (`run_job_in_process`, several times faster; the multi-rank
     tests here and the README's commands in test_docs run it under torchrun). `file_size_limit` (bytes):
     RLIMIT_FSIZE of the job, so that a write past it fails with EFBIG (Python ignores SIGXFSZ), a real I/O

@@ -13,14 +13,17 @@ for every variant. FP8 + graphs is compared with FP8 off + graphs too: the same 
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --tp 2 --sp                  # TP2 + sequence parallel
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --pp 2 --vpp 2               # PP2, 2 virtual stages
     python bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048                        # MoE: 8 experts, top-2
+    python bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048 --capacity-factor 1    # MoE drop-and-pad, graphed too
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048 --ep 2   # MoE, EP2
 
 With model parallelism (--tp/--pp/--ep > 1) only our spec runs (FP8 off, eager and graphed; FP8 eager; FP8 +
 graphs): every variant builds its weights from the same seed (identical across variants), and the last rank
 reports (tokens/s are the model's: one data-parallel replica). MoE (--experts N): megatron's MoELayer with our
 grouped FP8 experts (`moe_grouped_gemm=True`), top-k routing, the alltoall dispatcher, no linear biases;
-megatron's local spec and the graphed variants do not run (the experts' token counts change every step, which
-CUDA graphs cannot capture).
+megatron's local spec does not run. Dropless MoE has no graphed variants (the experts' token counts change
+every step, which CUDA graphs cannot capture); with `--capacity-factor F` the model uses megatron's drop-and-pad
+(`moe_expert_capacity_factor=F`, `moe_pad_expert_input_to_capacity`): every expert takes exactly its capacity of
+rows, so the graphed variants run too.
 
 Each variant: bf16 params in megatron's `Float16Module`, fused AdamW, megatron's bias+GELU and
 bias+dropout+add fusions (`--no-fusions` turns them off; `--ce-fusion` adds its fused cross entropy),
@@ -76,6 +79,7 @@ class Size:
     moe_ffn: int = 0
     llama: bool = False  # Llama-style: RMSNorm, SwiGLU, rotary embeddings, no linear biases
     groups: int = 0  # key/value heads (grouped-query attention; 0: as many as query heads)
+    capacity: float = 0.0  # MoE drop-and-pad: megatron's moe_expert_capacity_factor (0: dropless)
 
     @property
     def kv_heads(self) -> int:
@@ -98,6 +102,7 @@ class Size:
 
     def describe(self) -> str:
         moe = f" moe{self.experts} top{self.topk} f{self.moe_ffn}" if self.experts else ""
+        moe += f" cap{self.capacity:g}" if self.experts and self.capacity else ""
         llama = f" llama g{self.kv_heads}" if self.llama else ""
         return (f"L{self.layers} h{self.hidden} a{self.heads} f{self.ffn}{moe}{llama} v{self.vocab} s{self.seq} "
                 f"mb{self.mbs}x{self.micro}")
@@ -178,6 +183,8 @@ def _config(size: Size, device: str, fp8: bool, knobs: Knobs, layout: Layout = L
         **(dict(num_moe_experts=size.experts, moe_router_topk=size.topk, moe_ffn_hidden_size=size.moe_ffn,
                 moe_token_dispatcher_type="alltoall", expert_model_parallel_size=layout.ep, add_bias_linear=False)
            if size.experts else {}),
+        **(dict(moe_expert_capacity_factor=size.capacity, moe_pad_expert_input_to_capacity=True)
+           if size.experts and size.capacity else {}),
         **_llama_fields(size),
     )
     if fp8:  # set after construction, as for MoE (megatron's checks look for TransformerEngine)
@@ -691,7 +698,7 @@ def _size(args) -> Size:
                   if getattr(args, k) is not None})
     return Size(model["layers"], model["hidden"], model["heads"], model["ffn"], model["vocab"], args.seq, args.mbs,
                 args.micro, args.experts, args.topk, args.moe_ffn or model["ffn"], bool(model.get("llama")),
-                model.get("groups", 0))
+                model.get("groups", 0), args.capacity_factor)
 
 
 def main(argv: List[str]) -> None:
@@ -745,6 +752,9 @@ def main(argv: List[str]) -> None:
     p.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
     p.add_argument("--moe-ffn", type=int, default=0, help="MoE: an expert's FFN hidden size (default --ffn)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (with torchrun)")
+    p.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="MoE: megatron's drop-and-pad with this capacity factor (static shapes: the graphed "
+                        "variants run too); 0: dropless")
     p.add_argument("--top", type=int, default=12, help="kernels listed per variant in the device profile")
     p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
                    help="also print a cProfile table (top ROWS functions by own time) of one step per variant")
@@ -761,7 +771,7 @@ def main(argv: List[str]) -> None:
     args = p.parse_args(argv)
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     skipped = {"local"} if layout.parallel or args.experts else set()
-    skipped |= {"fp8_graphs", "bf16_graphs"} if args.experts else set()
+    skipped |= {"fp8_graphs", "bf16_graphs"} if args.experts and not args.capacity_factor else set()
     variants = [v for v in args.variants.split(",") if v and v not in skipped]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or args.warmup < 1 or args.steps < 1:

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import native
+from .device_tables import device_table
 from .gemm import SINV_STRIDE, zero_padded
 from .tensor import Float8Tensor, cast_to_fp8
 
@@ -250,9 +251,9 @@ def quantize_row_blocks(x: torch.Tensor, splits: Sequence[int], scales: Sequence
         transposes = (torch.empty if written else torch.zeros)(padded_total * N, dtype=fp8_dtype, device=device)
     sinv = torch.empty(len(splits) * SINV_STRIDE, dtype=torch.float32, device=device)
     row_sinv = torch.empty(M, dtype=torch.float32, device=device)
-    table = torch.tensor([[s.data_ptr() for s in scales], [a.data_ptr() for a in amax_slots],
+    table = device_table([[s.data_ptr() for s in scales], [a.data_ptr() for a in amax_slots],
                           [s + m for s, m in zip(starts, splits)], padded_starts, padded_rows, first_tiles],
-                         dtype=torch.int64).to(device, non_blocking=True)
+                         torch.int64, device)
     blocks = RowBlocks(data, transposes, sinv, row_sinv, table, starts, list(splits), padded_starts, padded_rows,
                        x.dtype, one_matrix)
     if fused:

@@ -7,6 +7,7 @@ every rank reported every expected check, so a check that silently did not run f
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -121,6 +122,11 @@ def _port_was_taken(output: str) -> bool:
     return "address already in use" in text or "eaddrinuse" in text
 
 
+def _forked_rank_stuck(output: str) -> bool:
+    """Whether torchrun_forked.py's startup watchdog fired (faulthandler's header, then the rank's stacks)."""
+    return re.search(r"Timeout \(\d+:\d\d:\d\d\)!", output) is not None and "torchrun_forked.py" in output
+
+
 def launch(
     script: str,
     nproc: int,
@@ -138,11 +144,12 @@ def launch(
     Raises AssertionError (with the output) on a non-zero exit, a timeout, or a missing check report.
     """
     full_env = child_env(gpus=gpus, **(env or {}))  # the run's seed unless `env` names another
+    forked = True
     for attempt in range(3):  # a port taken between choosing it and torchrun binding it: choose another
         report_dir = tempfile.mkdtemp(prefix="fp8p-checks-")
         full_env["FP8P_REPORT_DIR"] = report_dir
-        cmd = [*torchrun_command(gpus), f"--nproc_per_node={nproc}", "--nnodes=1", f"--master_port={_free_port()}",
-               str(WORKERS / script), *args]
+        cmd = [*torchrun_command(gpus, forked=forked), f"--nproc_per_node={nproc}", "--nnodes=1",
+               f"--master_port={_free_port()}", str(WORKERS / script), *args]
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
         )
@@ -154,6 +161,13 @@ def launch(
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
             raise AssertionError(f"{script} with {nproc} ranks timed out after {timeout}s:\n{out[-20000:]}")
+        if proc.returncode != 0 and forked and _forked_rank_stuck(out):
+            # a forked rank stuck before its process group (see torchrun_forked.py): the stacks are in the
+            # output; once more on fresh interpreters
+            print(f"{script}: a forked rank got stuck at startup; running again with torchrun's own ranks:\n"
+                  f"{out[-20000:]}")
+            forked = False
+            continue
         if proc.returncode == 0 or not _port_was_taken(out):
             break
     if proc.returncode != 0:

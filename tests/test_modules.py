@@ -24,7 +24,8 @@ def test_megatron_gpt_dense_and_moe_fp8_under_megatron_schedule():
 @HEAVY
 def test_ep2_moe_matches_unsharded_experts():
     launch("module_checks.py", 4, ["ep"], timeout=300, expect_checks=[
-        "ep2_moe_sequential_matches_unsharded", "ep2_moe_grouped_matches_unsharded"])
+        "ep2_moe_sequential_matches_unsharded", "ep2_moe_grouped_matches_unsharded",
+        "ep2_drop_and_pad_sequential_matches_megatron", "ep2_drop_and_pad_grouped_matches_megatron"])
 
 
 def _config(**kw):

@@ -230,6 +230,11 @@ def test_foreach_multi_tensor_ops_match_megatrons_fallbacks(monkeypatch):
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size=6"),
     (["--tensor-model-parallel-size", "0"], 1, "--tensor-model-parallel-size=0"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], 1, "--moe-expert-capacity-factor=0.0"),
+    (["--num-experts", "0", "--moe-expert-capacity-factor", "1"], 1, "without --num-experts"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1", "--cuda-graph"], 1,
+     "add --moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity"),
 ])
 def test_invalid_sizes_are_named(argv, world, needle):
     from launch.train.arguments import ArgumentError, parse_args
@@ -443,6 +448,23 @@ def test_moe_fp8_run_is_deterministic(tmp_path):
     assert all(r["fp8_nonfinite_amax"] == 0 for r in a)
 
 
+def test_moe_drop_and_pad_run_with_graphed_layers(tmp_path):
+    """MoE (EP2) with megatron's drop-and-pad (capacity 1, padded): --cuda-graph is accepted (the same shapes
+    every step) and takes graph_megatron_layers' eager path on CPU; FP8 experts train and their scales move."""
+    log = tmp_path / "run.jsonl"
+    out = _torchrun(tmp_path, 2, TINY + FP8 + ["--num-experts", "4", "--moe-router-topk", "2",
+                                               "--expert-model-parallel-size", "2", "--moe-expert-capacity-factor",
+                                               "1", "--moe-pad-expert-input-to-capacity", "--cuda-graph",
+                                               "--train-iters", "8", "--log-json", str(log)])
+    assert "MoE 4 experts top-2 (EP2 ETP1, capacity 1 padded)" in out, out[-5000:]
+    assert out.count("CUDA is not available; the callables run eagerly") == 1, out[-5000:]
+    rows = _rows(log)
+    assert len(rows) == 8
+    _assert_falls(rows, 0.85)
+    experts = {k: v for k, v in rows[-1]["fp8_layers"].items() if "/ep" in k}
+    assert experts and any(s != 1.0 for v in experts.values() for s in v["scale"]), list(experts)
+
+
 @HEAVY
 def test_two_agents_join_through_c10d_rendezvous(tmp_path):
     """Two torchrun agents (2 ranks each) on 127.0.0.1 form one 4-rank job (TP2 x PP2)."""
@@ -509,7 +531,9 @@ def test_gpu_default_job_one_gpu(tmp_path):
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a GPU")
     out = _gpu_torchrun(tmp_path, 1, [])
-    assert "--bf16 --cuda-graph" in out and "fp8 hybrid" in out, out[-5000:]
+    (run,) = [line for line in out.splitlines() if line.startswith("run (preset default): 1 ranks")]
+    assert "bf16, FP8 hybrid delayed (amax history 16), CUDA graphs" in run, run
+    assert "fp8 hybrid (delayed)" in out, out[-5000:]
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert len(losses) == 8 and losses[-1] < 0.6 * losses[0], losses
     assert "runs eagerly" not in out, out[-5000:]

@@ -57,6 +57,39 @@ def _import_for_the_job(script: str) -> None:
         import torch._dynamo  # noqa: F401
 
 
+# from a rank's fork to its process group: seconds normally, minutes on a loaded machine
+STARTUP_TIMEOUT_S = float(os.environ.get("FP8P_FORKED_STARTUP_TIMEOUT_S", "300"))
+
+
+def _rank_with_a_startup_watchdog(run_script_path):
+    """torchrun's `run_script_path` in a forked rank, with a watchdog: a rank that has not finished
+    `init_process_group` within STARTUP_TIMEOUT_S prints every thread's stack and exits 1 (a fork of a process
+    with threads can deadlock, and a rank stuck there would leave the others waiting for their store's
+    timeout). The launcher (tests/launcher.py) then runs the launch again on fresh interpreters."""
+    import faulthandler
+
+    import torch.distributed as dist
+
+    def rank(script: str, *args) -> None:
+        init = dist.init_process_group
+
+        def init_watched(*a, **kw):
+            try:
+                return init(*a, **kw)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+
+        faulthandler.dump_traceback_later(STARTUP_TIMEOUT_S, exit=True)
+        dist.init_process_group = init_watched
+        try:
+            return run_script_path(script, *args)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            dist.init_process_group = init
+
+    return rank
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed import run
 
@@ -69,6 +102,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     gc.freeze()  # what is imported stays out of the ranks' garbage collections (megatron's save collects twice)
     # a forked rank of a process with threads (the agent's store): the fork is safe here, the warning is noise
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
+    run.run_script_path = _rank_with_a_startup_watchdog(run.run_script_path)  # looked up when torchrun plans ranks
     i = argv.index(args.training_script)
     try:
         run.main([*argv[:i], "--run-path", "--start-method", "fork", script, *argv[i + 1:]])

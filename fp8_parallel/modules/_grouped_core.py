@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..device_tables import device_table
 from ..scopes import current_scope
 from ..tensor import Float8Tensor
 from ._core import FP8State, cast_weight, expert_plans, features_unaligned, fp8_linear, settle_experts_backward
@@ -90,7 +91,7 @@ def grouped_fp8_linear(
     if path == "fp8":
         return _grouped_fp8_forward(x, splits, weights, states, is_first_microbatch, wgrad_in_fp8, into)
     if path == "bf16":
-        ends = torch.tensor(list(cumulative(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
+        ends = device_table(list(cumulative(splits)), torch.int32, x.device)
         stack = stacked_bf16_weights(weights, states[0], is_first_microbatch)
         return _GroupedBF16Linear.apply(x, ends, into, stack, *weights)
     outs = [fp8_linear(chunk, w, b, st, is_first_microbatch, wgrad_in_fp8, wgrad_store=store,

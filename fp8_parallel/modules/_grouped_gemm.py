@@ -25,6 +25,7 @@ import torch
 
 from .. import gemm as _gemm
 from .. import native
+from ..device_tables import device_table
 from ..gemm import _scale_operand
 from ..native import DTYPE_CODES
 from ..quantize import SINV_STRIDE, RowBlocks, quantize_row_blocks
@@ -258,7 +259,7 @@ class GroupedFP8Linear(torch.autograd.Function):
         else:
             a = torch.cat([q._data for q in qxs])
             row_sinv = torch.cat([q._scale_inv.reshape(1).expand(m) for q, m in zip(qxs, splits)])
-            ends = torch.tensor(list(cumulative(splits)), dtype=torch.int64).to(x2.device, non_blocking=True)
+            ends = device_table(list(cumulative(splits)), torch.int64, x2.device)
         y = grouped_gemm(a, row_sinv, [q._data for q in qweights], [q._scale_inv for q in qweights],
                          ends.to(torch.int32))
         del a, qxs, casts

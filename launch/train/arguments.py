@@ -82,6 +82,15 @@ def _parser(defaults: Optional[Dict[str, Any]] = None, preset_help: str = "") ->
     g.add_argument("--num-experts", type=int, default=None, help="MoE experts (absent or 0: dense)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="as megatron's: each expert takes at most this factor x its even share of the routed "
+                        "tokens, the rest are dropped (absent: dropless)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="as megatron's: pad every expert's input to its capacity (drop-and-pad), so every step "
+                        "has the same shapes; needs --moe-expert-capacity-factor, allows --cuda-graph with MoE")
+    g.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs",
+                   help="as megatron's: which tokens an expert over capacity drops (the lowest routing "
+                        "probabilities, or the last in the sequence)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
 
     g = p.add_argument_group("training")
@@ -327,6 +336,14 @@ def _finish(v: Dict[str, Any], world_size: int) -> RunArgs:
     return RunArgs(v)
 
 
+def _capacity(args: RunArgs) -> str:
+    """The MoE token capacity part of `describe`'s model: empty when dropless."""
+    factor = args.moe_expert_capacity_factor
+    if factor is None:
+        return ""
+    return f", capacity {factor:g}{' padded' if args.moe_pad_expert_input_to_capacity else ''}"
+
+
 def describe(args: RunArgs, plan: Any = None) -> str:
     """One line of what the run will do: preset, layout, model, precision and FP8 recipe, length, where it
     saves and what it starts from (`plan`: the pre-flight `ResumePlan`)."""
@@ -337,7 +354,8 @@ def describe(args: RunArgs, plan: Any = None) -> str:
     model = f"GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, seq {args.seq_length}"
     if args.num_experts:
         model += (f", MoE {args.num_experts} experts top-{args.moe_router_topk} "
-                  f"(EP{args.expert_model_parallel_size} ETP{args.expert_tensor_parallel_size})")
+                  f"(EP{args.expert_model_parallel_size} ETP{args.expert_tensor_parallel_size}"
+                  f"{_capacity(args)})")
     fp8 = (f"FP8 {args.fp8} {args.fp8_recipe}"
            f"{f' (amax history {args.fp8_amax_history_len})' if args.fp8_recipe == 'delayed' else ''}"
            if args.fp8 else "FP8 off")
@@ -412,9 +430,19 @@ def validate(v: Dict[str, Any], world_size: int) -> int:  # noqa: C901
             raise ArgumentError(f"--num-experts={v['num_experts']} is not divisible by --expert-model-parallel-size={ep}")
         if not 1 <= v["moe_router_topk"] <= v["num_experts"]:
             raise ArgumentError(f"--moe-router-topk={v['moe_router_topk']} must be in [1, --num-experts={v['num_experts']}]")
-    if v["cuda_graph"] and v["num_experts"] is not None:
-        raise ArgumentError("--cuda-graph with --num-experts: MoE layers route a data-dependent number of tokens, "
-                            "which a CUDA graph cannot capture; run MoE models without --cuda-graph")
+        capacity = v["moe_expert_capacity_factor"]
+        if capacity is not None and not capacity > 0:
+            raise ArgumentError(f"--moe-expert-capacity-factor={capacity}: must be > 0")
+    if v["num_experts"] is None and v["moe_expert_capacity_factor"] is not None:
+        raise ArgumentError(f"--moe-expert-capacity-factor={v['moe_expert_capacity_factor']} without --num-experts")
+    if v["moe_pad_expert_input_to_capacity"] and v["moe_expert_capacity_factor"] is None:
+        raise ArgumentError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity "
+                            "to pad to)")
+    if v["cuda_graph"] and v["num_experts"] is not None and not v["moe_pad_expert_input_to_capacity"]:
+        raise ArgumentError("--cuda-graph with --num-experts: dropless MoE layers route a data-dependent number of "
+                            "tokens, which a CUDA graph cannot capture; add --moe-expert-capacity-factor F "
+                            "--moe-pad-expert-input-to-capacity (drop-and-pad: the same shapes every step) or run "
+                            "without --cuda-graph")
     if v["cuda_graph"] and v["recompute_granularity"] == "full":
         raise ArgumentError("--cuda-graph with --recompute-granularity=full: full recompute cannot be captured")
     if v["fp8"] is not None and v["fp8_amax_history_len"] < 1:

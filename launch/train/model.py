@@ -70,7 +70,10 @@ def transformer_config(args) -> TransformerConfig:
     if args.num_experts is not None:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                    moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=args.ffn_hidden_size,
-                   moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss")
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
+                   moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+                   moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+                   moe_token_drop_policy=args.moe_token_drop_policy)
     recompute = {}
     if args.recompute_granularity == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

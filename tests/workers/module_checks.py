@@ -564,6 +564,73 @@ def check_ep2_moe_matches_unsharded_experts(grouped: bool):
 
   return check
 
+def check_ep2_drop_and_pad_matches_megatrons_experts(grouped: bool):
+  def check():
+      """megatron's drop-and-pad (capacity factor 0.75, inputs padded to capacity) with EP=2: our experts and
+      megatron's own local-spec experts (its SequentialMLP of its linears), same router and expert weights,
+      give the same output, input grad and expert weight grads in high precision (fp32, rel < 1e-5); every
+      local expert gets exactly its padded capacity of rows (also the experts that routed no token here); the
+      FP8 forward (current scaling) stays within FP8 error of megatron's and differs from the high-precision
+      one."""
+      from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+      from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+      from megatron.core.transformer.moe.moe_layer import MoELayer
+      from megatron.core.transformer.transformer_config import TransformerConfig
+      from fp8_parallel.megatron import get_gpt_layer_spec
+
+      n_exp, hidden, ffn, tokens, topk, factor = 4, 32, 64, 16, 2, 0.75
+      cfg = TransformerConfig(
+          num_layers=1, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=True,
+          expert_model_parallel_size=2, num_moe_experts=n_exp, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+          moe_token_dispatcher_type="alltoall", add_bias_linear=False, params_dtype=torch.float32,
+          moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=True,
+      )
+      layers = {}
+      with ps.cpu_compat():
+          for name, spec in (("megatron", get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=False)),
+                             ("ours", get_gpt_layer_spec(num_experts=n_exp, moe_grouped_gemm=grouped))):
+              model_parallel_cuda_manual_seed(7)
+              layers[name] = MoELayer(cfg, submodules=spec.submodules.mlp.submodules, layer_number=1)
+      theirs, ours = layers["megatron"], layers["ours"]
+      with torch.no_grad():
+          ours.router.weight.copy_(theirs.router.weight)
+          for i in range(n_exp // 2):
+              for name in ("linear_fc1", "linear_fc2"):
+                  _expert_linear(ours, i, name)[0].copy_(getattr(theirs.experts.local_experts[i], name).weight)
+      capacity = -(-tokens * topk * factor // n_exp)  # megatron's get_capacity: ceil(tokens * topk / experts * f)
+      seen = []
+      ours.experts.register_forward_pre_hook(lambda _m, args: seen.append(torch.as_tensor(args[1]).tolist()))
+      x = torch.randn(tokens // 2, 2, hidden, generator=torch.Generator().manual_seed(test_seed() + dist.get_rank()))
+      results = {}
+      # the high-precision run of ours last: its expert weight grads are the ones left on the parameters
+      for name, layer, recipe in (("megatron", theirs, None), ("ours_fp8", ours, fp.Float8CurrentScaling()),
+                                  ("ours", ours, None)):
+          xl = x.clone().requires_grad_()
+          layer.zero_grad(set_to_none=True)
+          with ps.cpu_compat(), fp.autocast(enabled=recipe is not None, recipe=recipe, group=ps.dense_amax_group()):
+              out, _ = layer(xl)
+              out.float().pow(2).sum().backward()
+          results[name] = (out.detach(), xl.grad)
+          if name == "megatron":
+              with ps.cpu_compat(), torch.no_grad():
+                  _, routing_map = layer.router(x.reshape(-1, hidden))
+              kept = int(routing_map.sum())
+              # tokens were dropped: fewer than tokens x topk assignments, at most `capacity` per expert
+              assert kept < tokens * topk and int(routing_map.sum(0).max()) <= capacity, (kept, routing_map.sum(0))
+      assert len(seen) == 2 and all(s == [capacity * 2] * (n_exp // 2) for s in seen), (seen, capacity)
+      out_m, grad_m = results["megatron"]
+      _assert_rel(results["ours"][0], out_m, 1e-5, "drop-and-pad output")
+      _assert_rel(results["ours"][1], grad_m, 1e-5, "drop-and-pad input grad")
+      for i in range(n_exp // 2):
+          for name in ("linear_fc1", "linear_fc2"):
+              ref = getattr(theirs.experts.local_experts[i], name).weight.grad
+              _assert_rel(_expert_linear(ours, i, name)[0].grad, ref, 1e-5, f"expert {i} {name} weight grad")
+      out_fp8 = results["ours_fp8"][0]
+      rel = ((out_fp8 - out_m).norm() / out_m.norm()).item()
+      assert 0 < rel < 0.1, f"FP8 drop-and-pad output: relative error {rel:.3e} vs megatron's high precision"
+
+  return check
+
 if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that import this module
     MODE = sys.argv[1]
     if MODE == "mlp":
@@ -579,7 +646,9 @@ if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that
     elif MODE == "ep":
         ps.initialize(ep=2)
         checks = [("ep2_moe_sequential_matches_unsharded", check_ep2_moe_matches_unsharded_experts(False)),
-                  ("ep2_moe_grouped_matches_unsharded", check_ep2_moe_matches_unsharded_experts(True))]
+                  ("ep2_moe_grouped_matches_unsharded", check_ep2_moe_matches_unsharded_experts(True)),
+                  ("ep2_drop_and_pad_sequential_matches_megatron", check_ep2_drop_and_pad_matches_megatrons_experts(False)),
+                  ("ep2_drop_and_pad_grouped_matches_megatron", check_ep2_drop_and_pad_matches_megatrons_experts(True))]
     else:
         ps.initialize(tp=2, pp=2, ep=2)
         checks = _gpt_checks()

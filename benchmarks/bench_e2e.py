@@ -10,6 +10,7 @@ for every variant. FP8 + graphs is compared with FP8 off + graphs too: the same 
     python bench_e2e.py results.jsonl --preset llama-8b-wide # Llama 3 8B widths, 4 layers
     python bench_e2e.py out.jsonl --device cpu --layers 2 --hidden 64 --heads 4 --ffn 256 --vocab 128 \
         --seq 64 --micro 2 --warmup 1 --steps 1                                       # CPU dry run
+    python bench_e2e.py out.jsonl --process-per-variant     # each variant in its own process: its own peak memory
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --tp 2 --sp                  # TP2 + sequence parallel
     torchrun --nproc_per_node=2 bench_e2e.py out.jsonl --pp 2 --vpp 2               # PP2, 2 virtual stages
     python bench_e2e.py out.jsonl --experts 8 --moe-ffn 2048                        # MoE: 8 experts, top-2
@@ -38,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import json
 import os
 import statistics
 import sys
@@ -683,7 +685,7 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
         if left > 0.5:
             print(f"WARNING: {LABELS[r['variant']]} started with {left:.2f} GiB more allocated than the first variant "
                   f"(memory an earlier variant left behind): its peak memory includes it; run the variants in "
-                  f"separate processes (--variants) for peak-memory figures", flush=True)
+                  f"separate processes (--process-per-variant) for peak-memory figures", flush=True)
     if base:
         for r in results:
             if abs(r["loss"] - base["loss"]) > 0.02 * abs(base["loss"]):
@@ -768,6 +770,10 @@ def main(argv: List[str]) -> None:
                         "steps, one collection after each (untimed)")
     p.add_argument("--host-profile-dump", default="", metavar="PREFIX",
                    help="with --host-profile: also write each variant's statistics to PREFIX-<variant>.prof")
+    p.add_argument("--process-per-variant", action="store_true",
+                   help="run each variant in a process of its own (one GPU, no model parallelism), so its peak "
+                        "memory holds nothing an earlier variant left behind; one report compares them")
+    p.add_argument("--variant-result", default="", help=argparse.SUPPRESS)  # a child's results file
     args = p.parse_args(argv)
     layout = Layout(args.tp, args.pp, args.vpp, args.sp, args.ep)
     skipped = {"local"} if layout.parallel or args.experts else set()
@@ -780,6 +786,11 @@ def main(argv: List[str]) -> None:
         print("bench_e2e: no CUDA device (use --device cpu for a dry run)")
         return
     size = _size(args)
+    if args.process_per_variant:
+        if layout.parallel:
+            p.error("--process-per-variant runs one process per variant: without --tp/--pp/--ep > 1")
+        _run_variants_in_processes(argv, variants, size, layout, args)
+        return
 
     import parallel_state as ps
 
@@ -806,10 +817,34 @@ def main(argv: List[str]) -> None:
                 print(f"{LABELS[v]:26s} wall {r['wall_ms']:.1f} ms (steps {r['wall_range_ms'][0]:.1f}-"
                       f"{r['wall_range_ms'][1]:.1f}), busy {r['busy_ms']:.1f} ms, "
                       f"{r['tokens_s']:.0f} tokens/s, loss {r['loss']:.4f}", flush=True)
-    if rank0:
+    if rank0 and args.variant_result:  # a child of --process-per-variant: the parent reports
+        Path(args.variant_result).write_text(json.dumps(results))
+    elif rank0:
         report(results, size, layout, _knobs(args))
         dump(args.out)
     ps.destroy()
+
+
+def _run_variants_in_processes(argv: List[str], variants: List[str], size: Size, layout: Layout, args) -> None:
+    """`--process-per-variant`: this script once per variant (same flags, `--variants V`), then one report of
+    their results, as one process would have printed it."""
+    import subprocess
+    import tempfile
+
+    results = []
+    child_argv = [a for a in argv if a != "--process-per-variant"]
+    with tempfile.TemporaryDirectory(prefix="bench_e2e-") as tmp:
+        for v in variants:
+            path = Path(tmp) / f"{v}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv, "--variants", v,
+                   "--variant-result", str(path)]
+            print(f"== {LABELS[v]}: a process of its own", flush=True)
+            proc = subprocess.run(cmd)
+            if proc.returncode != 0 or not path.exists():
+                raise SystemExit(f"bench_e2e: the {v} variant's process failed (exit {proc.returncode})")
+            results.extend(json.loads(path.read_text()))
+    report(results, size, layout, _knobs(args))
+    dump(args.out)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,15 @@ def test_bench_e2e_llama_preset_runs_on_cpu_and_agrees_with_megatrons_spec(tmp_p
     """`bench_e2e.py --preset llama-1b` shrunk to CPU size: a Llama-style GPTModel (RMSNorm, SwiGLU, rotary
     embeddings, grouped-query attention, no biases) builds from megatron's local spec and ours; FP8 + graphed
     layers (the layers' samples include the model's rotary frequencies) starts from the local spec's loss (same
-    weights and data: FP8 rounding only)."""
+    weights and data: FP8 rounding only). The two variants run in processes of their own
+    (`--process-per-variant`): one report of both, with the same weights in each process."""
     import json
 
     out = tmp_path / "e2e.jsonl"
     argv = [sys.executable, "bench_e2e.py", str(out), "--device", "cpu", "--preset", "llama-1b", "--layers", "1",
             "--hidden", "64", "--heads", "4", "--groups", "2", "--ffn", "128", "--vocab", "96", "--seq", "32",
-            "--micro", "2", "--warmup", "1", "--steps", "1", "--variants", "local,fp8_graphs"]
+            "--micro", "2", "--warmup", "1", "--steps", "1", "--variants", "local,fp8_graphs",
+            "--process-per-variant"]
     proc = subprocess.run(argv, cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "L1 h64 a4 f128 llama g2 v96" in proc.stdout, proc.stdout[-3000:]
@@ -46,6 +48,9 @@ def test_bench_e2e_llama_preset_runs_on_cpu_and_agrees_with_megatrons_spec(tmp_p
     (local,) = [v for case, v in loss.items() if case.endswith("megatron local spec BF16")]
     (fp8,) = [v for case, v in loss.items() if case.endswith("our spec FP8 + graphs")]
     assert abs(fp8 - local) < 0.02 * local, loss
+    assert proc.stdout.count(": a process of its own") == 2, proc.stdout[-3000:]
+    sums = {line for line in proc.stdout.splitlines() if line.startswith("reference weights: sum")}
+    assert len(sums) == 1, sums  # the two processes built the same weights and data
 
 
 def test_bench_e2e_flops_count_grouped_query_attention_and_swiglu():

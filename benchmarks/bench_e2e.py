@@ -626,7 +626,8 @@ def _reference_weights(size: Size, args) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Knobs = Knobs()) -> None:  # noqa: C901
+def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Knobs = Knobs(),  # noqa: C901
+           one_process: bool = True) -> None:
     by = {r["variant"]: r for r in results}
     case = (size.describe() + layout.describe() + ("" if knobs.fusions else " unfused")
             + (" fused-CE" if knobs.ce_fusion else "") + (" DDP" if knobs.ddp else "")
@@ -680,7 +681,7 @@ def report(results: List[dict], size: Size, layout: Layout = Layout(), knobs: Kn
             for phase, (host, idle) in r["idle"].items():
                 record(BENCH, f"{label} idle in {phase}", "dev ms", idle, "host ms in it", idle / host if host else float("nan"))
     first_start = results[0]["start_alloc"] if results else float("nan")
-    for r in results[1:]:
+    for r in results[1:] if one_process else []:  # in processes of their own, nothing is left behind
         left = r["start_alloc"] - first_start  # allocated before its first step, beyond what the first variant saw
         if left > 0.5:
             print(f"WARNING: {LABELS[r['variant']]} started with {left:.2f} GiB more allocated than the first variant "
@@ -843,7 +844,7 @@ def _run_variants_in_processes(argv: List[str], variants: List[str], size: Size,
             if proc.returncode != 0 or not path.exists():
                 raise SystemExit(f"bench_e2e: the {v} variant's process failed (exit {proc.returncode})")
             results.extend(json.loads(path.read_text()))
-    report(results, size, layout, _knobs(args))
+    report(results, size, layout, _knobs(args), one_process=False)
     dump(args.out)
 
 

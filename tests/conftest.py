@@ -96,3 +96,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_CPU_LOG_VAR = "FP8P_TEST_CPU_LOG"  # a file: one JSON line per test with its CPU seconds (docs/testing.md)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its children that have ended (torchrun's ranks among them)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With $FP8P_TEST_CPU_LOG set: append each test's CPU seconds (setup, call and teardown, its subprocesses
+    included) and wall seconds to that file. On a machine whose cores the workers share, CPU time is what a
+    test costs the run; wall time also counts the waits for the other worker's processes."""
+    path = os.environ.get(_CPU_LOG_VAR)
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2), "wall_s": round(time.monotonic() - wall, 2)}
+    with open(path, "a") as log:
+        log.write(json.dumps(row) + "\n")

@@ -73,16 +73,15 @@ def test_unguarded_script_fails_instead_of_hanging(tmp_path):
     without an `if __name__ == "__main__":` guard; its `initialize` joined the rank's rendezvous and both hung
     (seen: 18 minutes). It now refuses in the helper, naming the guard, and the job exits within seconds."""
     import subprocess
-    import sys
 
-    from launcher import _free_port, child_env
+    from launcher import _free_port, child_env, torchrun_command
 
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT)
     (tmp_path / "ckpt").mkdir()
     env = child_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(script), str(tmp_path / "ckpt")]
+    cmd = [*torchrun_command(), "--nproc_per_node=2", f"--master_port={_free_port()}", str(script),
+           str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "SAVED" not in out, out[-5000:]

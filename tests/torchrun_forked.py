@@ -17,8 +17,10 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import List, Optional
 
 
@@ -61,6 +63,30 @@ def _import_for_the_job(script: str) -> None:
 STARTUP_TIMEOUT_S = float(os.environ.get("FP8P_FORKED_STARTUP_TIMEOUT_S", "300"))
 
 
+def _forks_of(pid: int) -> int:
+    """How many child processes `pid` has (Linux `/proc`); OSError where that is not readable."""
+    return sum(len((task / "children").read_text().split()) for task in Path(f"/proc/{pid}/task").iterdir())
+
+
+def _wait_until_all_ranks_are_forked(local_world_size: int, timeout_s: float = 60.0) -> None:
+    """Hold this rank until the agent has forked all `local_world_size` of them.
+
+    The agent has a second thread, its TCPStore server, which serves the ranks that already run. A fork
+    copies the memory of every thread, so a rank forked while that thread held a lock (serving an earlier
+    rank's `init_process_group`) starts with the lock held and no thread to release it: it hangs before its
+    own process group. With no rank talking to the store until the last fork is done, the server is idle
+    during every fork. Where `/proc` is not readable this does not wait."""
+    agent = os.getppid()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if _forks_of(agent) >= local_world_size:
+                return
+        except OSError:
+            return
+        time.sleep(0.002)
+
+
 def _rank_with_a_startup_watchdog(run_script_path):
     """torchrun's `run_script_path` in a forked rank, with a watchdog: a rank that has not finished
     `init_process_group` within STARTUP_TIMEOUT_S prints every thread's stack and exits 1 (a fork of a process
@@ -71,6 +97,7 @@ def _rank_with_a_startup_watchdog(run_script_path):
     import torch.distributed as dist
 
     def rank(script: str, *args) -> None:
+        _wait_until_all_ranks_are_forked(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         init = dist.init_process_group
 
         def init_watched(*a, **kw):

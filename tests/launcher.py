@@ -50,11 +50,16 @@ def child_env(gpus: bool = False, **overrides: str) -> Dict[str, str]:
 
 def job_argv(flags: Iterable[str]) -> List[str]:
     """The training job's flags for a test: a test that names its run's flags starts from megatron's defaults
-    (`--preset none` first), unless it picks a preset itself; no flags at all is the job's default preset."""
+    (`--preset none` first), unless it picks a preset itself; no flags at all is the job's default preset.
+    A test that names flags gets `--no-plot` unless it names `--plot` (the end-of-run figure costs about 3 s of
+    CPU per run; the tests of the figure ask for it)."""
     flags = list(flags)
-    if not flags or any(f == "--preset" or f.startswith("--preset=") for f in flags):
+    if not flags:
         return flags
-    return ["--preset", "none", *flags]
+    plot = [] if "--plot" in flags or "--no-plot" in flags else ["--no-plot"]
+    if any(f == "--preset" or f.startswith("--preset=") for f in flags):
+        return flags + plot
+    return ["--preset", "none", *flags, *plot]
 
 
 FORKED_TORCHRUN = Path(__file__).resolve().parent / "torchrun_forked.py"

@@ -331,8 +331,9 @@ def test_every_run_logs_text_and_metrics_under_its_save_directory(tmp_path):
     moved most named."""
     ck = tmp_path / "ck"
     flags = TINY + ["--global-batch-size", "4", "--save", str(ck)]
-    _job(tmp_path, flags + ["--train-iters", "2"], nproc=2)
-    _, out = _job(tmp_path, flags + ["--train-iters", "3"], nproc=2)
+    _, out = _job(tmp_path, flags + ["--train-iters", "2"], nproc=2)  # the tests' --no-plot (launcher.job_argv)
+    assert "plot: " not in out and not (ck / "logs" / "run.png").exists(), out[-3000:]
+    _, out = _job(tmp_path, flags + ["--train-iters", "3", "--plot"], nproc=2)
     text = (ck / "logs" / "train.log").read_text()
     assert "iteration      2 | loss" in text and "iteration      3 | loss" in text, text[-3000:]
     assert f"resuming from --save {ck}" in text and "saved checkpoint at iteration 3" in text, text[-3000:]
@@ -371,7 +372,7 @@ def test_fp8_off_run_logs_figures_and_plots_the_loss_alone(tmp_path):
     at = TINY.index("--fp8-format")
     no_fp8 = TINY[:at] + TINY[at + 4:]  # without --fp8-format hybrid --fp8-amax-history-len 4
     assert "--fp8-format" not in no_fp8 and "--fp8-amax-history-len" not in no_fp8
-    _job(tmp_path, no_fp8 + ["--train-iters", "2", "--save", str(ck)])
+    _job(tmp_path, no_fp8 + ["--train-iters", "2", "--save", str(ck), "--plot"])
     rows = _rows(ck / "logs" / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [1, 2]
     _assert_finite_figures(rows, RUN_FIGURES)

@@ -160,6 +160,9 @@ def _parser(defaults: Optional[Dict[str, Any]] = None, preset_help: str = "") ->
     g.add_argument("--log-interval", type=int, default=5)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-json", default=None, help="one JSON object per iteration")
+    g.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --save, draw <save>/logs/run.png (loss and FP8 amax / scale by role) at the end of the "
+                   "run; --no-plot skips it (about 3 s of CPU; launch/plot_run.py draws it later from the metrics)")
     g.add_argument("--no-progress-bar", action="store_true",
                    help="no tqdm bar on a terminal (piped output never has one: it gets the --log-interval lines)")
     g.add_argument("--verbose", action="store_true",

@@ -262,7 +262,7 @@ def _train(args: RunArgs, plan) -> int:  # noqa: C901
         if graphed is not None:  # graphs holding NCCL collectives (TP) keep destroy_process_group waiting forever
             torch.cuda.synchronize()
             graphed.reset()
-    if is_logger and args.save:
+    if is_logger and args.save and args.plot:
         _plot_run(args, say)
     if not stopped:
         say(f"done: {pos.iteration} iterations, last loss {last_loss}")

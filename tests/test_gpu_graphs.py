@@ -115,25 +115,18 @@ def _drive(model, recipe, caching, xs, gs):
     return seen
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "weight-cache"])
-@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_graphed_equals_eager_for_every_parameter_dtype(dtype, recipe_name, caching):
-    """Graphed (2 microbatches in flight, order [1, 1, -1, -1]) vs eager twin, 3 steps with SGD: outputs,
-    input and parameter gradients, FP8 state bitwise equal and finite, for float32/float16/bfloat16
-    parameters, delayed and current scaling, with and without weight caching."""
+def _assert_graphed_equals_eager(plain, rows: int, dtype, recipe, caching: bool, gen) -> None:
+    """Graph a copy of `plain` (2 microbatches in flight, order [1, 1, -1, -1]); drive both 3 steps with SGD on
+    fresh `[rows, 64]` inputs and gradients from `gen`: every output, gradient and FP8 state is finite and
+    bitwise equal, and the graphed copy replayed every call."""
     import copy
 
-    seed = _seed()
-    recipe = fp.DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else fp.CurrentScaling()
-    gen = torch.Generator().manual_seed(seed)
-    plain = _Mlp(dtype, gen)
     graphed = copy.deepcopy(plain)
-    sample = torch.randn(32, 64, generator=gen).to("cuda", dtype).requires_grad_()
+    sample = torch.randn(rows, 64, generator=gen).to("cuda", dtype).requires_grad_()
     fp.make_graphed_callables(graphed, (sample,), fp8_enabled=True, fp8_recipe=recipe,
                               fp8_weight_caching=caching, order=[1, 1, -1, -1], num_warmup_iters=2)
-    xs = [[torch.randn(32, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(3)]
-    gs = [[torch.randn(32, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(3)]
+    xs = [[torch.randn(rows, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(3)]
+    gs = [[torch.randn(rows, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(3)]
     expected = _drive(plain, recipe, caching, xs, gs)
     got = _drive(graphed, recipe, caching, xs, gs)
     assert graphed.forward.replay_count == 6 and graphed.forward.eager_count == 0
@@ -141,6 +134,19 @@ def test_graphed_equals_eager_for_every_parameter_dtype(dtype, recipe_name, cach
     for i, (a, b) in enumerate(zip(expected, got)):
         assert torch.isfinite(a.float()).all(), f"item {i}: eager result not finite"
         assert torch.equal(a, b), f"item {i}: max abs diff {(a.float() - b.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "weight-cache"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_graphed_equals_eager_for_every_parameter_dtype(dtype, recipe_name, caching):
+    """Graphed (2 microbatches in flight, order [1, 1, -1, -1]) vs eager twin, 3 steps with SGD: outputs,
+    input and parameter gradients, FP8 state bitwise equal and finite, for float32/float16/bfloat16
+    parameters, delayed and current scaling, with and without weight caching."""
+    seed = _seed()
+    recipe = fp.DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else fp.CurrentScaling()
+    gen = torch.Generator().manual_seed(seed)
+    _assert_graphed_equals_eager(_Mlp(dtype, gen), 32, dtype, recipe, caching, gen)
 
 
 class _Experts(torch.nn.Module):
@@ -170,26 +176,10 @@ def test_graphed_experts_equal_eager_for_every_parameter_dtype(dtype, grouped):
     """Graphed GroupedLinear experts with fixed splits (drop-and-pad; one expert without rows) vs their eager
     twin, 3 steps with SGD and weight caching: outputs, input and weight gradients and FP8 state bitwise
     equal and finite, for float32/float16/bfloat16 parameters, per-expert and grouped GEMMs."""
-    import copy
-
     seed = _seed()
     recipe = fp.DelayedScaling(amax_history_len=4)
     gen = torch.Generator().manual_seed(seed)
-    plain = _Experts(dtype, gen, grouped)
-    graphed = copy.deepcopy(plain)
-    rows = sum(_Experts.SPLITS)
-    sample = torch.randn(rows, 64, generator=gen).to("cuda", dtype).requires_grad_()
-    fp.make_graphed_callables(graphed, (sample,), fp8_enabled=True, fp8_recipe=recipe, fp8_weight_caching=True,
-                              order=[1, 1, -1, -1], num_warmup_iters=2)
-    xs = [[torch.randn(rows, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(3)]
-    gs = [[torch.randn(rows, 64, generator=gen).to("cuda", dtype) for _ in range(2)] for _ in range(3)]
-    expected = _drive(plain, recipe, True, xs, gs)
-    got = _drive(graphed, recipe, True, xs, gs)
-    assert graphed.forward.replay_count == 6 and graphed.forward.eager_count == 0
-    assert len(expected) == len(got)
-    for i, (a, b) in enumerate(zip(expected, got)):
-        assert torch.isfinite(a.float()).all(), f"item {i}: eager result not finite"
-        assert torch.equal(a, b), f"item {i}: max abs diff {(a.float() - b.float()).abs().max()}"
+    _assert_graphed_equals_eager(_Experts(dtype, gen, grouped), sum(_Experts.SPLITS), dtype, recipe, True, gen)
 
 
 def test_eager_fallbacks_warn_once_count_and_reset_releases_graphs():

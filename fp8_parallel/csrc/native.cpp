@@ -1,7 +1,10 @@
 // The compiled host path of fp8_parallel: the FP8 cast and one FP8 linear's forward and backward, each one
 // call from Python. Computes exactly what the Python path computes (`quantize`, `fp8_gemm`,
 // `modules/_core.py`): on CUDA with the kernels of cast_kernels.cu, elsewhere with the same torch formulas.
-#include <torch/extension.h>
+// ATen and torch's pybind11 casters only: torch/extension.h (the whole C++ frontend) takes twice as long to
+// compile, and nothing here uses the frontend.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>

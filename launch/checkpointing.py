@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import checkpoint_files as files
 from . import checkpoint_state as cs
+from .train.children import start_checkpoint_writer_queue
 
 # Run arguments that fix tensor shapes: a checkpoint with other values cannot load (named in the error).
 SHAPE_ARGS = (
@@ -180,6 +181,7 @@ def save_checkpoint(
     from parallel_state import cpu_compat
 
     _validate_save_args(save_dir, state, run_args)
+    start_checkpoint_writer_queue()  # megatron's own would start at its first save, importing torch in a child
     root = Path(save_dir)
     final = root / files.checkpoint_name(state.iteration)
     tmp = root / f"{final.name}.tmp"

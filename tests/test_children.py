@@ -32,3 +32,43 @@ def test_writer_queue_round_trips_torch_objects_and_its_manager_never_imports_to
             assert "libtorch" not in maps.read_text(), "the writer queue's manager loaded torch"
     finally:
         manager.shutdown()
+
+
+_SCRIPT_THAT_IMPORTS_TORCH = """
+import sys
+from pathlib import Path
+
+import torch  # this script is __main__: a spawned child told to import it would load torch
+
+from fp8_parallel.startup import import_megatron_core
+
+import_megatron_core()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from launch.train import children
+
+children.start_checkpoint_writer_queue()
+children.start_checkpoint_writer_queue()  # idempotent: the same queue
+q = filesystem_async._results_queue
+q.put({"t": torch.arange(3)})
+assert torch.equal(q.get_nowait()["t"], torch.arange(3))
+pids = [int(c) for t in Path("/proc/self/task").iterdir() for c in (t / "children").read_text().split()]
+assert pids, "no manager process"
+print("LIBTORCH", any("libtorch" in Path(f"/proc/{p}/maps").read_text() for p in pids))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_writer_queue_manager_does_not_import_the_main_script(tmp_path):
+    """A spawned process imports its parent's `__main__` script; the writer queue's manager is started without
+    it, so a rank whose script imports torch does not load torch again in the manager."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core")
+    script = tmp_path / "rank_script.py"
+    script.write_text(_SCRIPT_THAT_IMPORTS_TORCH)
+    from launcher import child_env
+
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "LIBTORCH False" in out.stdout, out.stdout + out.stderr

@@ -77,11 +77,14 @@ class _WriterManager(SyncManager):
 _WriterManager.register("PickledQueue", queue.Queue, proxytype=_PickledQueueProxy)
 
 
-def _start_checkpoint_writer_queue() -> None:
+def start_checkpoint_writer_queue() -> None:
     """Start megatron-core's checkpoint-writer results queue (what its first save would start) on a spawned
     manager that dies with this rank. megatron-core keeps that queue in a module global and creates it only
-    while the global is unset; it puts each save's results and reads them with `get_nowait`."""
+    while the global is unset; it puts each save's results and reads them with `get_nowait`. The manager holds
+    pickled bytes and is started without this process's `__main__` (a spawned child imports the parent's main
+    script: for a script that imports torch, seconds of CPU per rank). Idempotent; call from the main thread."""
     import multiprocessing
+    import types
 
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -90,7 +93,12 @@ def _start_checkpoint_writer_queue() -> None:
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = _WriterManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # what the spawned child is told to import: nothing
+    try:
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    finally:
+        sys.modules["__main__"] = main
     filesystem_async._results_queue = manager.PickledQueue()
 
 
@@ -105,4 +113,4 @@ def tie_children_to_this_rank(saves: bool) -> None:
     _tied[0] = True
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     if saves:
-        _start_checkpoint_writer_queue()
+        start_checkpoint_writer_queue()

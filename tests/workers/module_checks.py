@@ -329,6 +329,9 @@ def _dist_checkpoint_round_trip(model, build):
 
     from megatron.core import dist_checkpointing
 
+    from launch.train.children import start_checkpoint_writer_queue
+
+    start_checkpoint_writer_queue()  # megatron's own manager would import this script (and torch) in a child
     path = f"/tmp/fp8p-ckpt-{test_seed()}"
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)

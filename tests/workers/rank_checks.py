@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Callable, Sequence, Tuple
 
@@ -34,7 +35,7 @@ def run_checks(checks: Sequence[Check], group_getter: Callable[[], dist.ProcessG
         faulthandler.dump_traceback_later(float(os.environ["FP8P_DUMP_STACKS_AFTER"]), exit=True)
     failed_any = False
     for name, fn in checks:
-        local_failed = 0
+        local_failed, started = 0, time.perf_counter()
         try:
             fn()
         except Exception:  # report, then fail together
@@ -49,7 +50,7 @@ def run_checks(checks: Sequence[Check], group_getter: Callable[[], dist.ProcessG
             if not local_failed:
                 print(f"CHECK-FAILED-ELSEWHERE {rank} {name}", flush=True)
         else:
-            print(f"CHECK-PASSED {rank} {name}", flush=True)
+            print(f"CHECK-PASSED {rank} {name} in {time.perf_counter() - started:.1f} s", flush=True)
             report_dir = os.environ.get("FP8P_REPORT_DIR")
             if report_dir:
                 with open(os.path.join(report_dir, f"rank{rank}.passed"), "a") as f:

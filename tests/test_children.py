@@ -47,8 +47,9 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from launch.train import children
 
 children.start_checkpoint_writer_queue()
-children.start_checkpoint_writer_queue()  # idempotent: the same queue
 q = filesystem_async._results_queue
+children.start_checkpoint_writer_queue()  # idempotent: the same queue, no second manager
+assert filesystem_async._results_queue is q
 q.put({"t": torch.arange(3)})
 assert torch.equal(q.get_nowait()["t"], torch.arange(3))
 pids = [int(c) for t in Path("/proc/self/task").iterdir() for c in (t / "children").read_text().split()]
